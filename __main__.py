@@ -1,0 +1,3 @@
+from ckptfs.tools.cli import main
+
+raise SystemExit(main())

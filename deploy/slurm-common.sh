@@ -1,0 +1,111 @@
+# shellcheck shell=bash
+# Shared by slurm-prolog.sh and slurm-epilog.sh (sourced, not run). Install all
+# three files in one directory, e.g. /etc/slurm/ckptfs/.
+#
+# Site settings go in /etc/default/ckptfs-slurm (sourced if present):
+#   CKPTFS_SLURM_BIN=/usr/local/bin/ckptfs     # the ckptfs CLI
+#   CKPTFS_SLURM_ROOT=/ckpt                    # jobs see /ckpt/$SLURM_JOB_ID
+#   CKPTFS_SLURM_BACKING=/nfs/ckpt/%u          # backing dir; %u = job user, %j = job id
+#   CKPTFS_SLURM_CACHE_ROOT=/dev/shm/ckptfs    # RAM cache at <root>/$SLURM_JOB_ID
+#   CKPTFS_SLURM_CONFIG=/etc/ckptfs/ckptfs.yaml  # used if it exists
+#   CKPTFS_SLURM_MOUNT_TIMEOUT=300             # seconds
+#   CKPTFS_SLURM_UMOUNT_TIMEOUT=3600           # seconds; umount flushes to the backing store
+#   export CKPTFS_CACHE_SIZE=40%               # any daemon setting, as CKPTFS_<KEY>
+#
+# The backing dir defaults to one per user, not per job: a job restarted under a
+# new job id must find the checkpoints of the previous one.
+
+CKPTFS_SLURM_TAG=ckptfs-slurm
+
+# shellcheck source=/dev/null
+[ -r /etc/default/ckptfs-slurm ] && . /etc/default/ckptfs-slurm
+
+: "${CKPTFS_SLURM_BIN:=/usr/local/bin/ckptfs}"
+: "${CKPTFS_SLURM_ROOT:=/ckpt}"
+: "${CKPTFS_SLURM_BACKING:=/nfs/ckpt/%u}"
+: "${CKPTFS_SLURM_CACHE_ROOT:=/dev/shm/ckptfs}"
+: "${CKPTFS_SLURM_CONFIG:=/etc/ckptfs/ckptfs.yaml}"
+: "${CKPTFS_SLURM_MOUNT_TIMEOUT:=300}"
+: "${CKPTFS_SLURM_UMOUNT_TIMEOUT:=3600}"
+
+log() { # log PRIORITY MESSAGE...
+    local priority=$1
+    shift
+    # -s: also on stderr, for runs by hand (slurmd discards it).
+    logger -s -t "$CKPTFS_SLURM_TAG" -p "daemon.$priority" -- "job ${SLURM_JOB_ID:-?}: $*"
+}
+
+die() {
+    log err "$*"
+    exit 1
+}
+
+# Checks the Slurm environment and sets JOB_MNT, JOB_BACKING and JOB_CACHE.
+job_setup() {
+    # The job id ends up in an `rm -rf` path in the epilog: accept digits only.
+    [[ ${SLURM_JOB_ID:-} =~ ^[0-9]+$ ]] || die "SLURM_JOB_ID '${SLURM_JOB_ID:-}' is not a job id"
+    [ -n "${SLURMD_NODENAME:-}" ] || die "SLURMD_NODENAME is not set"
+    [ -n "${SLURM_JOB_USER:-}" ] || die "SLURM_JOB_USER is not set"
+    [ -x "$CKPTFS_SLURM_BIN" ] || die "ckptfs CLI $CKPTFS_SLURM_BIN is not executable"
+    local root
+    root=$(realpath -m -- "$CKPTFS_SLURM_ROOT") || die "bad CKPTFS_SLURM_ROOT '$CKPTFS_SLURM_ROOT'"
+    [ "$root" != / ] || die "CKPTFS_SLURM_ROOT must not be /"
+    JOB_MNT="$root/$SLURM_JOB_ID"
+    JOB_BACKING=${CKPTFS_SLURM_BACKING//%u/$SLURM_JOB_USER}
+    JOB_BACKING=${JOB_BACKING//%j/$SLURM_JOB_ID}
+    [ -n "${CKPTFS_SLURM_CACHE_ROOT%/}" ] || die "CKPTFS_SLURM_CACHE_ROOT must not be /"
+    # One cache dir per job, so that the epilog can tell whether this job left
+    # unflushed data behind and free exactly this job's RAM afterwards.
+    JOB_CACHE="${CKPTFS_SLURM_CACHE_ROOT%/}/$SLURM_JOB_ID"
+}
+
+mount_args() { # the `ckptfs mount` command line for this job
+    MOUNT_CMD=("$CKPTFS_SLURM_BIN" mount "$JOB_MNT" --backing "$JOB_BACKING"
+        --cache-dir "$JOB_CACHE" --node "$SLURMD_NODENAME")
+    if [ -r "$CKPTFS_SLURM_CONFIG" ]; then
+        MOUNT_CMD+=(--config "$CKPTFS_SLURM_CONFIG")
+    fi
+}
+
+in_mount_table() { # true if something is mounted exactly at $1
+    awk -v m="$1" '$2 == m { found = 1 } END { exit !found }' /proc/self/mounts
+}
+
+# Prints live (mounted and answering), dead (mounted, daemon gone: ENOTCONN) or none.
+mount_state() {
+    if ! in_mount_table "$1"; then
+        echo none
+    elif stat -- "$1" >/dev/null 2>&1; then
+        echo live
+    else
+        echo dead
+    fi
+}
+
+detach() { # lazily unmount $1; the caller decides whether that was safe
+    fusermount3 -u -z -- "$1" 2>/dev/null || umount -l -- "$1" 2>/dev/null
+    ! in_mount_table "$1"
+}
+
+# Mounts this job's ckptfs; on failure leaves nothing mounted and returns 1.
+job_mount() {
+    local out status
+    mount_args
+    mkdir -p -- "$JOB_MNT" || die "cannot create mountpoint $JOB_MNT"
+    # Output goes to a file, not a pipe: a daemon that inherited the pipe would
+    # keep a $(...) waiting long after `ckptfs mount` itself returned.
+    out=$(mktemp) || die "mktemp failed"
+    timeout --kill-after=10 "$CKPTFS_SLURM_MOUNT_TIMEOUT" "${MOUNT_CMD[@]}" >"$out" 2>&1 </dev/null
+    status=$?
+    if [ "$status" -eq 0 ] && [ "$(mount_state "$JOB_MNT")" = live ]; then
+        rm -f -- "$out"
+        return 0
+    fi
+    log err "ckptfs mount $JOB_MNT (backing $JOB_BACKING) failed (exit $status):" \
+        "$(tail -c 2000 -- "$out" | tr '\n' ' ')"
+    rm -f -- "$out"
+    if in_mount_table "$JOB_MNT"; then
+        detach "$JOB_MNT" || log err "could not detach the failed mount at $JOB_MNT"
+    fi
+    return 1
+}

@@ -1,0 +1,1 @@
+"""Filesystem core: FUSE operations, inode table, RAM cache, backing layout, flusher."""

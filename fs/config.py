@@ -1,0 +1,234 @@
+"""Mount configuration: YAML file, then ``CKPTFS_*`` environment, then flags.
+
+Every value has a default; an unknown key or a bad value raises
+:class:`ConfigError`, whose message is one line naming the key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DURABILITY_LEVELS = ("local", "buddy", "backing")
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b|%)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+class ConfigError(ValueError):
+    """A configuration problem; ``str()`` is a one-line message naming the key."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"config key '{key}': {problem}")
+        self.key = key
+
+
+def total_ram() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def parse_size(value: Any, key: str, *, allow_percent: bool = False) -> int:
+    """Parse ``123``, ``64MiB``, ``2GiB``, ``1.5G`` or (if allowed) ``40%`` of RAM."""
+    if isinstance(value, bool):
+        raise ConfigError(key, f"expected a size, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(key, f"size must not be negative, got {value}")
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m:
+        raise ConfigError(key, f"expected a size like 512MiB, 2GiB or 40%, got {value!r}")
+    number, unit = float(m.group(1)), (m.group(2) or "").lower()
+    if unit == "%":
+        if not allow_percent:
+            raise ConfigError(key, f"a percentage is not allowed here, got {value!r}")
+        if not 0 < number <= 100:
+            raise ConfigError(key, f"percentage must be in (0, 100], got {value!r}")
+        return int(total_ram() * number / 100)
+    return int(number * _UNITS[unit[:1]])
+
+
+def parse_int(value: Any, key: str, *, minimum: int = 0) -> int:
+    try:
+        result = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(key, f"expected an integer, got {value!r}") from None
+    if isinstance(value, bool) or result < minimum:
+        raise ConfigError(key, f"expected an integer >= {minimum}, got {value!r}")
+    return result
+
+
+def parse_bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(key, f"expected true or false, got {value!r}")
+
+
+@dataclass
+class Config:
+    node: str = field(default_factory=socket.gethostname)
+    backing: Path | None = None
+    cache_dir: Path = Path("/dev/shm/ckptfs")
+    cache_size: int = 0  # bytes; resolved from "40%" when left at 0
+    cache_prefault: bool = True
+    durability: str = "local"
+    flush_workers: int = 4
+    flush_bandwidth: int = 0  # bytes/s, 0 = unlimited
+    chunk_size: int = 4 << 20
+    writeback_cache: bool = True
+    fuse_workers: int = 16
+    backing_timeout: float = 120.0
+    run_dir: Path = Path("/run/ckptfs")
+    log_file: Path | None = None
+    history_file: Path | None = None
+    peers: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.cache_size:
+            self.cache_size = parse_size("40%", "cache.size", allow_percent=True)
+
+
+# YAML schema: dotted key -> (Config attribute, parser). Env var names are the
+# dotted keys upper-cased with dots as underscores, prefixed by CKPTFS_.
+def _path(value: Any, key: str) -> Path:
+    if not isinstance(value, str | os.PathLike) or not str(value):
+        raise ConfigError(key, f"expected a path, got {value!r}")
+    return Path(value)
+
+
+def _durability(value: Any, key: str) -> str:
+    if value not in DURABILITY_LEVELS:
+        raise ConfigError(key, f"expected one of {', '.join(DURABILITY_LEVELS)}, got {value!r}")
+    return str(value)
+
+
+def _node(value: Any, key: str) -> str:
+    text = str(value)
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", text):
+        raise ConfigError(key, f"expected a name of letters, digits, '_', '.', '-', got {value!r}")
+    return text
+
+
+def _timeout(value: Any, key: str) -> float:
+    try:
+        result = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(key, f"expected seconds, got {value!r}") from None
+    if result <= 0:
+        raise ConfigError(key, f"expected a positive number of seconds, got {value!r}")
+    return result
+
+
+def _peers(value: Any, key: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(key, f"expected a mapping, got {value!r}")
+    allowed = {"listen", "secret_file", "nodes", "buddies"}
+    for sub in value:
+        if sub not in allowed:
+            raise ConfigError(f"{key}.{sub}", "unknown key")
+    return dict(value)
+
+
+def _chunk_size(value: Any, key: str) -> int:
+    size = parse_size(value, key)
+    if not (64 << 10) <= size <= (256 << 20):
+        raise ConfigError(key, f"expected between 64KiB and 256MiB, got {value!r}")
+    return size
+
+
+def _cache_size(value: Any, key: str) -> int:
+    size = parse_size(value, key, allow_percent=True)
+    if size < (16 << 20):
+        raise ConfigError(key, f"must be at least 16MiB, got {value!r}")
+    return size
+
+
+SCHEMA: dict[str, tuple[str, Any]] = {
+    "node": ("node", _node),
+    "backing": ("backing", _path),
+    "cache.dir": ("cache_dir", _path),
+    "cache.size": ("cache_size", _cache_size),
+    "cache.prefault": ("cache_prefault", parse_bool),
+    "durability": ("durability", _durability),
+    "flush.workers": ("flush_workers", lambda v, k: parse_int(v, k, minimum=1)),
+    "flush.bandwidth": ("flush_bandwidth", parse_size),
+    "chunk_size": ("chunk_size", _chunk_size),
+    "fuse.writeback_cache": ("writeback_cache", parse_bool),
+    "fuse.workers": ("fuse_workers", lambda v, k: parse_int(v, k, minimum=1)),
+    "backing_timeout": ("backing_timeout", _timeout),
+    "run_dir": ("run_dir", _path),
+    "log": ("log_file", _path),
+    "history": ("history_file", _path),
+    "peers": ("peers", _peers),
+}
+_SECTIONS = {key.split(".")[0] for key in SCHEMA if "." in key}
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if dotted in SCHEMA:
+            flat[dotted] = value
+        elif isinstance(value, dict) and dotted in _SECTIONS:
+            flat.update(_flatten(value, dotted + "."))
+        else:
+            raise ConfigError(dotted, "unknown key")
+    return flat
+
+
+def env_name(key: str) -> str:
+    return "CKPTFS_" + key.upper().replace(".", "_")
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+    environ: dict[str, str] | None = None,
+) -> Config:
+    """Build a Config from a YAML file, the environment and explicit overrides.
+
+    ``overrides`` uses dotted keys (``{"cache.size": "1GiB"}``); None values are
+    ignored so that unset command-line flags fall through.
+    """
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError("--config", f"cannot read {path}: {exc.strerror}") from None
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError("--config", f"{path} is not valid YAML: {exc}".splitlines()[0])
+        if not isinstance(data, dict):
+            raise ConfigError("--config", f"{path} must hold a mapping")
+        values.update(_flatten(data))
+    env = os.environ if environ is None else environ
+    for key in SCHEMA:
+        if key != "peers" and env_name(key) in env:
+            values[key] = env[env_name(key)]
+    for key, value in (overrides or {}).items():
+        if key not in SCHEMA:
+            raise ConfigError(key, "unknown key")
+        if value is not None:
+            values[key] = value
+    config = Config()
+    for key, value in values.items():
+        attr, parser = SCHEMA[key]
+        setattr(config, attr, parser(value, key))
+    if "durability" not in values and config.peers.get("nodes"):
+        config.durability = "buddy"
+    if config.durability == "buddy" and not config.peers.get("nodes"):
+        raise ConfigError("durability", "'buddy' needs peers.nodes; use local or backing")
+    return config

@@ -1,0 +1,206 @@
+"""The FUSE operations: each a short translation onto :class:`FileSystem`.
+
+pyfuse3 only turns ``FUSEError`` into an errno; any other exception would
+leave the request unanswered and take the mount down. Every handler is
+therefore wrapped: OSErrors keep their errno, anything else becomes EIO and is
+logged with the operation and its arguments.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import pyfuse3
+
+from .filesystem import Attr, FileSystem, SetAttr
+
+log = logging.getLogger("ckptfs.fuse")
+T = TypeVar("T")
+ATTR_TIMEOUT = 1.0  # other nodes may change names and files: keep kernel caching short
+_QUIET = {errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR}
+
+
+def handler(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    @functools.wraps(fn)
+    async def wrapper(self: Operations, *args: Any) -> T:
+        try:
+            return await fn(self, *args)
+        except pyfuse3.FUSEError:
+            raise
+        except OSError as exc:
+            err = exc.errno or errno.EIO
+            if err not in _QUIET:
+                log.warning("%s%r failed: %s", fn.__name__, _short(args), exc)
+            raise pyfuse3.FUSEError(err) from None
+        except Exception:
+            log.exception("%s%r failed unexpectedly", fn.__name__, _short(args))
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper
+
+
+def _short(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(f"<{len(a)} bytes>" if isinstance(a, bytes) and len(a) > 64 else a for a in args)
+
+
+def _name(raw: bytes) -> str:
+    return os.fsdecode(raw)
+
+
+def entry(attr: Attr) -> pyfuse3.EntryAttributes:
+    e = pyfuse3.EntryAttributes()
+    e.st_ino = attr.ino
+    e.generation = 0
+    e.entry_timeout = ATTR_TIMEOUT
+    e.attr_timeout = ATTR_TIMEOUT
+    e.st_mode = attr.mode
+    e.st_nlink = attr.nlink
+    e.st_uid = attr.uid
+    e.st_gid = attr.gid
+    e.st_rdev = 0
+    e.st_size = attr.size
+    e.st_blksize = 1 << 20
+    e.st_blocks = -(-attr.size // 512)
+    e.st_atime_ns = attr.atime_ns
+    e.st_mtime_ns = attr.mtime_ns
+    e.st_ctime_ns = attr.ctime_ns
+    return e
+
+
+class Operations(pyfuse3.Operations):
+    def __init__(self, fs: FileSystem, writeback_cache: bool) -> None:
+        super().__init__()
+        self.fs = fs
+        self.enable_writeback_cache = writeback_cache
+
+    @handler
+    async def lookup(self, parent: int, name: bytes, ctx: Any = None) -> pyfuse3.EntryAttributes:
+        return entry(await self.fs.lookup(parent, _name(name)))
+
+    @handler
+    async def getattr(self, inode: int, ctx: Any = None) -> pyfuse3.EntryAttributes:
+        return entry(await self.fs.getattr(inode))
+
+    @handler
+    async def setattr(
+        self, inode: int, attr: Any, fields: Any, fh: int | None, ctx: Any
+    ) -> pyfuse3.EntryAttributes:
+        change = SetAttr(
+            mode=attr.st_mode if fields.update_mode else None,
+            uid=attr.st_uid if fields.update_uid else None,
+            gid=attr.st_gid if fields.update_gid else None,
+            size=attr.st_size if fields.update_size else None,
+            atime_ns=attr.st_atime_ns if fields.update_atime else None,
+            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
+        )
+        return entry(await self.fs.setattr(inode, change, fh))
+
+    def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+        for ino, count in inode_list:
+            try:
+                self.fs.forget(ino, count)
+            except Exception:
+                log.exception("forget of inode %d failed", ino)
+
+    @handler
+    async def readlink(self, inode: int, ctx: Any) -> bytes:
+        return await self.fs.readlink(inode)
+
+    @handler
+    async def opendir(self, inode: int, ctx: Any) -> int:
+        return await self.fs.opendir(inode)
+
+    @handler
+    async def readdir(self, fh: int, start_id: int, token: Any) -> None:
+        for i, (name, attr) in enumerate(await self.fs.readdir(fh, start_id)):
+            if not pyfuse3.readdir_reply(token, os.fsencode(name), entry(attr), start_id + i + 1):
+                break
+            self.fs.inodes[attr.ino].nlookup += 1
+
+    @handler
+    async def releasedir(self, fh: int) -> None:
+        self.fs.releasedir(fh)
+
+    @handler
+    async def mkdir(self, parent: int, name: bytes, mode: int, ctx: Any) -> Any:
+        return entry(await self.fs.mkdir(parent, _name(name), mode, ctx.uid, ctx.gid))
+
+    @handler
+    async def rmdir(self, parent: int, name: bytes, ctx: Any) -> None:
+        await self.fs.rmdir(parent, _name(name))
+
+    @handler
+    async def unlink(self, parent: int, name: bytes, ctx: Any) -> None:
+        await self.fs.unlink(parent, _name(name))
+
+    @handler
+    async def rename(
+        self, p_old: int, old: bytes, p_new: int, new: bytes, flags: int, ctx: Any
+    ) -> None:
+        await self.fs.rename(p_old, _name(old), p_new, _name(new), flags)
+
+    @handler
+    async def symlink(self, parent: int, name: bytes, target: bytes, ctx: Any) -> Any:
+        return entry(await self.fs.symlink(parent, _name(name), target, ctx.uid, ctx.gid))
+
+    @handler
+    async def link(self, inode: int, new_parent: int, new_name: bytes, ctx: Any) -> Any:
+        raise pyfuse3.FUSEError(errno.EPERM)  # a manifest has one name; see README
+
+    @handler
+    async def mknod(self, parent: int, name: bytes, mode: int, rdev: int, ctx: Any) -> Any:
+        return entry(await self.fs.create_node(parent, _name(name), mode, ctx.uid, ctx.gid))
+
+    @handler
+    async def create(
+        self, parent: int, name: bytes, mode: int, flags: int, ctx: Any
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        fh, attr = await self.fs.create(parent, _name(name), mode, flags, ctx.uid, ctx.gid)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True), entry(attr)
+
+    @handler
+    async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
+        fh, keep = await self.fs.open(inode, flags)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
+
+    @handler
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        return await self.fs.read(fh, off, size)
+
+    @handler
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        return await self.fs.write(fh, off, buf)
+
+    @handler
+    async def flush(self, fh: int) -> None:
+        await self.fs.flush(fh)
+
+    @handler
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        await self.fs.fsync(fh)
+
+    @handler
+    async def release(self, fh: int) -> None:
+        await self.fs.release(fh)
+
+    @handler
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        return None  # directory changes are applied to the backing store synchronously
+
+    @handler
+    async def statfs(self, ctx: Any) -> pyfuse3.StatvfsData:
+        st = await self.fs.statfs()
+        out = pyfuse3.StatvfsData()
+        for name in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail",
+                     "f_files", "f_ffree", "f_favail", "f_namemax"):
+            setattr(out, name, getattr(st, name))
+        return out
+
+    @handler
+    async def access(self, inode: int, mode: int, ctx: Any) -> bool:
+        return True  # default_permissions: the kernel checks modes itself

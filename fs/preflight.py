@@ -1,0 +1,62 @@
+"""Checks done before mounting, each failing with a one-line message."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+from pathlib import Path
+
+
+class MountError(Exception):
+    pass
+
+
+def is_mounted(path: Path) -> bool:
+    target = os.path.realpath(path)
+    with open("/proc/self/mounts") as mounts:
+        return any(line.split()[1] == target for line in mounts if len(line.split()) > 1)
+
+
+def check_mountpoint(mountpoint: Path) -> Path:
+    if not mountpoint.exists():
+        raise MountError(f"mountpoint {mountpoint} does not exist")
+    if not mountpoint.is_dir():
+        raise MountError(f"mountpoint {mountpoint} is not a directory")
+    if is_mounted(mountpoint):
+        raise MountError(f"mountpoint {mountpoint} is already mounted")
+    if any(os.scandir(mountpoint)):
+        raise MountError(f"mountpoint {mountpoint} is not empty")
+    return mountpoint.resolve()
+
+
+def check_backing(backing: Path | None, mountpoint: Path) -> Path:
+    if backing is None:
+        raise MountError("no backing directory: pass --backing DIR or set 'backing' in the config")
+    if not backing.exists():
+        raise MountError(f"backing directory {backing} does not exist")
+    if not backing.is_dir():
+        raise MountError(f"backing directory {backing} is not a directory")
+    resolved = backing.resolve()
+    if resolved == mountpoint or mountpoint in resolved.parents:
+        raise MountError(f"backing directory {backing} lies inside the mountpoint {mountpoint}")
+    probe = resolved / f".ckptfs-write-test.{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+        (resolved / ".ckptfs" / "chunks").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        reason = "permission denied" if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else exc.strerror
+        raise MountError(f"backing directory {backing} is not writable: {reason}") from None
+    return resolved
+
+
+def mount_id(mountpoint: Path) -> str:
+    """A stable name for a mount's run files and cache directory."""
+    return hashlib.sha1(str(mountpoint).encode()).hexdigest()[:12]
+
+
+def run_files(run_dir: Path, mountpoint: Path) -> tuple[Path, Path, Path]:
+    """(control socket, pid file, log file) of the daemon serving ``mountpoint``."""
+    ident = mount_id(mountpoint)
+    return run_dir / f"{ident}.sock", run_dir / f"{ident}.pid", run_dir / f"{ident}.log"

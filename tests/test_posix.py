@@ -1,0 +1,183 @@
+"""POSIX semantics that training code relies on, on a real mount."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from ckptfs.fs.manifest import read_manifest
+
+
+def test_create_overwrite_and_truncate(mounted):
+    p = mounted.mnt / "f.bin"
+    p.write_bytes(b"a" * 5000)
+    p.write_bytes(b"short")  # O_TRUNC over an existing file
+    assert p.read_bytes() == b"short"
+    with open(p, "r+b") as f:
+        f.seek(2)
+        f.write(b"XY")
+    assert p.read_bytes() == b"shXYt"
+    os.truncate(p, 2)
+    assert p.read_bytes() == b"sh"
+    os.truncate(p, 3 << 20)  # extending reads zeros
+    data = p.read_bytes()
+    assert len(data) == 3 << 20 and data[:2] == b"sh" and data[2:] == bytes(len(data) - 2)
+    with open(p, "r+b") as f:
+        f.truncate(1)
+        f.seek(10)
+        f.write(b"z")  # a hole in the middle
+    assert p.read_bytes() == b"s" + bytes(9) + b"z"
+    assert p.stat().st_size == 11
+
+
+def test_sparse_and_unaligned_writes(mounted):
+    p = mounted.mnt / "sparse"
+    expected = bytearray()
+    with open(p, "wb") as f:
+        for off, chunk in [(0, b"x" * 100), (3 << 20, b"y" * 5), ((1 << 20) - 3, b"z" * 10)]:
+            f.seek(off)
+            f.write(chunk)
+            end = off + len(chunk)
+            if len(expected) < end:
+                expected.extend(bytes(end - len(expected)))
+            expected[off:end] = chunk
+    assert p.read_bytes() == bytes(expected)
+    mounted.wait_durable()
+    mounted.cli("evict", str(mounted.mnt))
+    assert p.read_bytes() == bytes(expected)
+
+
+def test_rename_over_existing_file_is_atomic_and_keeps_open_handle(mounted):
+    old = mounted.mnt / "model.pt"
+    old.write_bytes(b"old contents" * 1000)
+    reader = open(old, "rb")
+    tmp = mounted.mnt / "model.pt.tmp"
+    tmp.write_bytes(b"new contents" * 1000)
+    os.replace(tmp, old)
+    assert old.read_bytes() == b"new contents" * 1000
+    assert not tmp.exists()
+    assert reader.read() == b"old contents" * 1000  # the replaced file lives on for its reader
+    reader.close()
+    mounted.wait_durable()
+    m = read_manifest(mounted.backing / "model.pt")
+    assert m is not None and m.state == "durable" and m.size == 12000
+
+
+def test_unlink_of_open_file(mounted):
+    p = mounted.mnt / "victim"
+    with open(p, "wb") as w:
+        w.write(b"1234" * 100_000)
+        w.flush()
+        r = open(p, "rb")
+        os.unlink(p)
+        assert not p.exists()
+        w.write(b"more")
+    assert r.read() == b"1234" * 100_000 + b"more"
+    r.close()
+    assert not (mounted.backing / "victim").exists()
+    assert "victim" not in os.listdir(mounted.mnt)
+
+
+def test_directories_and_readdir(mounted):
+    base = mounted.mnt / "run" / "checkpoint-10"
+    base.mkdir(parents=True)
+    names = {f"shard-{i}.pt" for i in range(40)}
+    for name in names:
+        (base / name).write_bytes(name.encode())
+    assert set(os.listdir(base)) == names
+    assert set(os.listdir(mounted.mnt)) == {"run"}  # .ckptfs is hidden
+    with pytest.raises(OSError) as exc:
+        os.rmdir(base)
+    assert exc.value.errno == errno.ENOTEMPTY
+    os.rename(mounted.mnt / "run", mounted.mnt / "run2")
+    assert (mounted.mnt / "run2" / "checkpoint-10" / "shard-3.pt").read_bytes() == b"shard-3.pt"
+    shutil.rmtree(mounted.mnt / "run2")
+    assert os.listdir(mounted.mnt) == []
+    assert sorted(os.listdir(mounted.backing)) == [".ckptfs"]
+
+
+def test_stat_sizes_mtimes_chmod_utime(mounted):
+    p = mounted.mnt / "x"
+    before = time.time()
+    p.write_bytes(b"q" * 12345)
+    st = p.stat()
+    assert st.st_size == 12345 and stat.S_ISREG(st.st_mode)
+    assert before - 2 <= st.st_mtime <= time.time() + 2
+    os.chmod(p, 0o600)
+    assert stat.S_IMODE(p.stat().st_mode) == 0o600
+    os.utime(p, (1_600_000_000, 1_600_000_000))
+    assert int(p.stat().st_mtime) == 1_600_000_000
+    mounted.wait_durable()
+    mounted.umount()
+    mounted.mount()
+    st = p.stat()
+    assert (st.st_size, stat.S_IMODE(st.st_mode), int(st.st_mtime)) == (12345, 0o600, 1_600_000_000)
+
+
+def test_symlink_fsync_statfs(mounted):
+    target = mounted.mnt / "t.bin"
+    target.write_bytes(b"data")
+    link = mounted.mnt / "latest"
+    os.symlink("t.bin", link)
+    assert os.readlink(link) == "t.bin"
+    assert link.read_bytes() == b"data"
+    fd = os.open(mounted.mnt / "synced", os.O_WRONLY | os.O_CREAT)
+    os.write(fd, b"fsynced")
+    os.fsync(fd)
+    m = read_manifest(mounted.backing / "synced")
+    assert m is not None and m.size == 7  # fsync published the manifest
+    os.close(fd)
+    sv = os.statvfs(mounted.mnt)
+    assert sv.f_bsize > 0 and sv.f_blocks > 0
+
+
+def test_plain_backing_files_are_served_read_through(mounts):
+    m = mounts()
+    (m.backing / "old").mkdir(parents=True)
+    (m.backing / "old" / "config.json").write_text('{"a": 1}')
+    blob = os.urandom(3 << 20)
+    (m.backing / "old" / "weights.safetensors").write_bytes(blob)
+    m.mount()
+    assert (m.mnt / "old" / "config.json").read_text() == '{"a": 1}'
+    assert (m.mnt / "old" / "weights.safetensors").read_bytes() == blob
+    assert (m.mnt / "old" / "weights.safetensors").stat().st_size == len(blob)
+    # Writing to a plain file makes it a ckptfs file; its bytes are kept.
+    with open(m.mnt / "old" / "config.json", "r+") as f:
+        f.seek(0, 2)
+        f.write("\n")
+    assert (m.mnt / "old" / "config.json").read_text() == '{"a": 1}\n'
+    assert read_manifest(m.backing / "old" / "config.json") is not None
+
+
+def test_hard_links_are_refused(mounted):
+    (mounted.mnt / "a").write_bytes(b"x")
+    with pytest.raises(OSError) as exc:
+        os.link(mounted.mnt / "a", mounted.mnt / "b")
+    assert exc.value.errno == errno.EPERM
+
+
+def test_concurrent_readers(mounted):
+    import threading
+
+    blob = os.urandom(20 << 20)
+    p = mounted.mnt / "shared"
+    p.write_bytes(blob)
+    mounted.wait_durable()
+    mounted.cli("evict", str(mounted.mnt))
+    results: list[bool] = []
+
+    def read() -> None:
+        results.append(Path(p).read_bytes() == blob)
+
+    threads = [threading.Thread(target=read) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == [True] * 6

@@ -1,0 +1,1 @@
+"""Operator tools: the CLI, the control client, export/gc/check and benchmarks."""

@@ -1,0 +1,569 @@
+"""Benchmark torch.save / torch.load through ckptfs against tmpfs and local disk.
+
+    python -m ckptfs.tools.bench [--size-gib 2] [--runs 3] [--workdir DIR]
+
+Mounts ckptfs itself through the CLI (backing directory on local disk under
+--workdir, RAM cache in /dev/shm), builds a GPT-like state dict of about
+--size-gib, and for each run measures:
+
+- save: into the mount (until torch.save's close returns), into tmpfs, and into
+  a plain directory on the backing disk followed by fsync of file and directory;
+- close -> durable: until ``ckptfs stat --json`` reports the file durable;
+- load: from the mount with the ckptfs cache warm (kernel page cache as the save
+  left it), with the kernel page cache dropped, cold (``ckptfs evict`` plus page
+  cache dropped), from tmpfs, and from the disk with its page cache dropped.
+
+Every load opens a new fd (torch.load(path)) and is checked against the saved
+state outside the timed part. Every run saves different bytes, so that dedup
+does not flatter runs after the first. It prints measured numbers; it asserts
+no thresholds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from ckptfs.fs.config import ConfigError, parse_size
+
+GIB = 1 << 30
+MIB = 1 << 20
+VOCAB = 50304
+CONTEXT = 2048
+N_LAYER = 24
+CLI_TIMEOUT = 120.0
+
+
+class BenchError(Exception):
+    pass
+
+
+# ----- layout and the ckptfs CLI ---------------------------------------------------
+
+
+@dataclass
+class Layout:
+    workdir: Path
+    tmpfs: Path  # plain tmpfs directory: the in-RAM baseline
+    cache: Path  # ckptfs RAM cache (its cache.dir), also on tmpfs
+
+    @property
+    def backing(self) -> Path:
+        return self.workdir / "backing"
+
+    @property
+    def mountpoint(self) -> Path:
+        return self.workdir / "mnt"
+
+    @property
+    def disk(self) -> Path:
+        # Beside the backing directory, on the same disk, but not inside it: the
+        # daemon owns the backing namespace while mounted.
+        return self.workdir / "disk"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.workdir / "run"
+
+
+def make_layout(workdir: Path) -> Layout:
+    tag = f"ckptfs-bench-{os.getpid()}"
+    layout = Layout(workdir.resolve(), Path("/dev/shm") / tag, Path("/dev/shm") / f"{tag}-cache")
+    for d in (layout.backing, layout.mountpoint, layout.disk, layout.run_dir, layout.tmpfs):
+        d.mkdir(parents=True, exist_ok=True)
+    if any(layout.mountpoint.iterdir()) or any(layout.backing.iterdir()):
+        raise BenchError(
+            f"{layout.mountpoint} or {layout.backing} is not empty: pick a new --workdir"
+        )
+    return layout
+
+
+def cli_env(layout: Layout) -> dict[str, str]:
+    return {**os.environ, "CKPTFS_RUN_DIR": str(layout.run_dir)}
+
+
+def ckptfs(layout: Layout, *args: str, timeout: float = CLI_TIMEOUT) -> str:
+    """Run ``ckptfs ARGS`` (this interpreter's copy); return stdout or raise naming the command."""
+    cmd = [sys.executable, "-m", "ckptfs", *args]
+    try:
+        done = subprocess.run(
+            cmd, env=cli_env(layout), capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired:
+        raise BenchError(
+            f"`ckptfs {' '.join(args)}` did not return within {timeout:.0f}s"
+        ) from None
+    if done.returncode != 0:
+        detail = (done.stderr or done.stdout).strip().splitlines()
+        raise BenchError(
+            f"`ckptfs {' '.join(args)}` failed ({done.returncode}): {detail[-1] if detail else ''}"
+        )
+    return done.stdout
+
+
+def stat_json(layout: Layout, path: Path) -> dict[str, Any]:
+    return json.loads(ckptfs(layout, "stat", str(path), "--json"))
+
+
+def file_entry(status: dict[str, Any], layout: Layout, path: Path) -> dict[str, Any] | None:
+    rel = str(path.relative_to(layout.mountpoint))
+    return next((f for f in status.get("files", []) if f.get("path") == rel), None)
+
+
+def mount(layout: Layout, cache_size: int, config: str | None) -> float:
+    """Mount and wait until the daemon has pre-faulted its cache; returns that wait."""
+    args = ["mount", str(layout.mountpoint), "--backing", str(layout.backing)]
+    args += ["--cache-size", str(cache_size), "--cache-dir", str(layout.cache)]
+    if config:
+        args += ["--config", config]
+    print(ckptfs(layout, *args).strip())
+    # Pre-faulting runs in the background after mount; let it finish so that it
+    # does not compete with the first measurement for the CPU.
+    start = time.perf_counter()
+    deadline = start + 300
+    while time.perf_counter() < deadline:
+        cache = stat_json(layout, layout.mountpoint).get("cache", {})
+        if cache.get("prefaulted", 0) >= cache.get("capacity", 0):
+            break
+        time.sleep(0.2)
+    return time.perf_counter() - start
+
+
+def unmount(layout: Layout) -> None:
+    """`ckptfs umount`, else a lazy fusermount3; never raises (runs in a finally)."""
+    if not is_mounted(layout.mountpoint):
+        return
+    try:
+        print(ckptfs(layout, "umount", str(layout.mountpoint), timeout=600).strip())
+    except (BenchError, ConfigError) as exc:
+        print(f"warning: {exc}; detaching with fusermount3 -u -z", file=sys.stderr)
+        subprocess.run(["fusermount3", "-u", "-z", str(layout.mountpoint)], check=False)
+    if is_mounted(layout.mountpoint):
+        print(f"warning: {layout.mountpoint} is still mounted", file=sys.stderr)
+
+
+def is_mounted(path: Path) -> bool:
+    with open("/proc/self/mounts") as mounts:
+        return any(line.split()[1] == str(path) for line in mounts)
+
+
+def daemon_log(layout: Layout) -> list[Path]:
+    return sorted(layout.run_dir.glob("*.log"))
+
+
+# ----- memory -------------------------------------------------------------------------
+
+
+def available_memory() -> int:
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise BenchError("/proc/meminfo has no MemAvailable line")
+
+
+def check_memory(size: int, cache_size: int) -> None:
+    # The state dict, one loaded copy, the tmpfs file and the ckptfs cache are
+    # resident at once; the page cache of the other copies is reclaimable.
+    need = 3 * size + cache_size + GIB
+    have = available_memory()
+    if have < need:
+        raise BenchError(
+            f"needs about {need / GIB:.1f} GiB of free memory for --size-gib {size / GIB:g}, "
+            f"{have / GIB:.1f} GiB available"
+        )
+
+
+def warm_memory(directory: Path, size: int) -> float:
+    """Write and delete ``size`` bytes in tmpfs, so the first timed save does not
+    pay for the kernel handing out fresh pages; returns the seconds it took."""
+    path = directory / "warmup"
+    block = b"\xa5" * (64 * MIB)
+    start = time.perf_counter()
+    with open(path, "wb") as out:
+        for offset in range(0, size, len(block)):
+            out.write(block[: min(len(block), size - offset)])
+    path.unlink()
+    return time.perf_counter() - start
+
+
+def drop_page_cache(path: Path) -> str:
+    """Drop the kernel's cached pages of ``path``; returns how.
+
+    FUSE files are in the page cache like any other, and ckptfs lets the kernel
+    keep them across opens, so a new fd alone does not make a read cold.
+    """
+    os.sync()
+    how = "fadvise(DONTNEED)"
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        how = "drop_caches + " + how
+    except OSError:
+        pass  # not permitted (container, non-root): per-file fadvise still works
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return how
+
+
+# ----- the state dict -----------------------------------------------------------------
+
+
+def gpt_width(size: int) -> int:
+    """Model width so that the state dict below comes to about ``size`` bytes."""
+    # bf16 blocks: 12*d^2 per layer at 2 bytes; fp32 embeddings: (VOCAB+CONTEXT)*d*4.
+    a, b = N_LAYER * 12 * 2, (VOCAB + CONTEXT) * 4
+    d = (-b + math.sqrt(b * b + 4 * a * size)) / (2 * a)
+    return max(64, round(d / 64) * 64)
+
+
+def build_state_dict(size: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A GPT-2-like state dict: fp32 embeddings and norms, bf16 block weights."""
+    gen = torch.Generator().manual_seed(seed)
+    d = gpt_width(size)
+
+    def randn(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    sd: dict[str, torch.Tensor] = {
+        "transformer.wte.weight": randn(VOCAB, d, dtype=torch.float32),
+        "transformer.wpe.weight": randn(CONTEXT, d, dtype=torch.float32),
+    }
+    for i in range(N_LAYER):
+        p = f"transformer.h.{i}."
+        sd[p + "ln_1.weight"] = torch.ones(d)
+        sd[p + "ln_1.bias"] = torch.zeros(d)
+        sd[p + "attn.c_attn.weight"] = randn(3 * d, d)
+        sd[p + "attn.c_attn.bias"] = randn(3 * d)
+        sd[p + "attn.c_proj.weight"] = randn(d, d)
+        sd[p + "attn.c_proj.bias"] = randn(d)
+        sd[p + "ln_2.weight"] = torch.ones(d)
+        sd[p + "ln_2.bias"] = torch.zeros(d)
+        sd[p + "mlp.c_fc.weight"] = randn(4 * d, d)
+        sd[p + "mlp.c_fc.bias"] = randn(4 * d)
+        sd[p + "mlp.c_proj.weight"] = randn(d, 4 * d)
+        sd[p + "mlp.c_proj.bias"] = randn(d)
+    sd["transformer.ln_f.weight"] = torch.ones(d)
+    sd["transformer.ln_f.bias"] = torch.zeros(d)
+    return sd
+
+
+def perturb(sd: dict[str, torch.Tensor]) -> None:
+    """Change every element, as a training step does, so no chunk repeats across runs."""
+    for t in sd.values():
+        t.add_(1.0)
+
+
+def same_state(expected: dict[str, torch.Tensor], actual: Any) -> bool:
+    return (
+        isinstance(actual, dict)
+        and actual.keys() == expected.keys()
+        and all(torch.equal(expected[k], actual[k]) for k in expected)
+    )
+
+
+# ----- one run --------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    file_size: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def save(sd: dict[str, torch.Tensor], path: Path, what: str) -> None:
+    try:
+        torch.save(sd, path)
+    except (OSError, RuntimeError) as exc:  # torch's C++ writer raises RuntimeError
+        raise BenchError(f"{what}: torch.save to {path} failed: {exc}") from None
+
+
+def save_fsync(sd: dict[str, torch.Tensor], path: Path) -> None:
+    save(sd, path, "disk")
+    # fsync through a new fd flushes the inode's dirty pages all the same.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def load_checked(sd: dict[str, torch.Tensor], path: Path, what: str) -> float:
+    try:
+        seconds, loaded = timed(lambda: torch.load(path, weights_only=True))
+    except OSError as exc:
+        raise BenchError(f"{what}: torch.load of {path} failed: {exc}") from None
+    ok = same_state(sd, loaded)
+    del loaded
+    gc.collect()
+    if not ok:
+        raise BenchError(f"{what}: {path} loaded back different tensors than were saved")
+    return seconds
+
+
+def wait_durable(layout: Layout, path: Path, timeout: float) -> tuple[float, float]:
+    """Poll `ckptfs stat --json` until ``path`` is durable.
+
+    Returns (seconds since the call, median duration of one poll): the state
+    changed at most one poll before it was seen.
+    """
+    start = time.perf_counter()
+    polls: list[float] = []
+    while time.perf_counter() - start < timeout:
+        poll_start = time.perf_counter()
+        entry = file_entry(stat_json(layout, path), layout, path)
+        polls.append(time.perf_counter() - poll_start)
+        state = entry.get("state") if entry else None
+        if state == "durable":
+            return time.perf_counter() - start, statistics.median(polls)
+        if state == "lost":
+            raise BenchError(f"ckptfs reports {path} as lost")
+        time.sleep(0.02)
+    raise BenchError(f"{path} was not durable within {timeout:.0f}s")
+
+
+def evict(layout: Layout, path: Path) -> str:
+    ckptfs(layout, "evict", str(path))
+    entry = file_entry(stat_json(layout, path), layout, path) or {}
+    left = entry.get("ram_bytes", 0)
+    return f"evict left {left >> 20} MiB of the file in the ckptfs cache" if left else ""
+
+
+def one_run(layout: Layout, sd: dict[str, torch.Tensor], index: int, timeout: float) -> Run:
+    run = Run()
+    s = run.seconds
+    mnt_dir = layout.mountpoint / f"run-{index}"
+    mnt_dir.mkdir()
+    mnt_file = mnt_dir / "model.pt"
+    s["save mount"], _ = timed(lambda: save(sd, mnt_file, "mount"))
+    s["close -> durable"], poll = wait_durable(layout, mnt_file, timeout)
+    run.notes.append(f"durable poll resolution {poll:.3f}s")
+    s["load mount warm"] = load_checked(sd, mnt_file, "mount warm")
+    run.notes.append("page cache: " + drop_page_cache(mnt_file))
+    s["load mount, page cache dropped"] = load_checked(sd, mnt_file, "mount page cache dropped")
+    note = evict(layout, mnt_file)
+    drop_page_cache(mnt_file)
+    s["load mount cold"] = load_checked(sd, mnt_file, "mount cold")
+    run.notes += [note] if note else []
+
+    tmpfs_file = layout.tmpfs / "model.pt"
+    s["save tmpfs"], _ = timed(lambda: save(sd, tmpfs_file, "tmpfs"))
+    s["load tmpfs"] = load_checked(sd, tmpfs_file, "tmpfs")
+    run.file_size = tmpfs_file.stat().st_size
+    tmpfs_file.unlink()
+
+    disk_file = layout.disk / "model.pt"
+    s["save disk + fsync"], _ = timed(lambda: save_fsync(sd, disk_file))
+    drop_page_cache(disk_file)
+    s["load disk cold"] = load_checked(sd, disk_file, "disk cold")
+    disk_file.unlink()
+
+    shutil.rmtree(mnt_dir)  # frees the cache for the next run
+    return run
+
+
+# ----- report ---------------------------------------------------------------------------
+
+ROWS = [
+    ("save mount", "torch.save into ckptfs (close returned)"),
+    ("save tmpfs", "torch.save into tmpfs"),
+    ("save disk + fsync", "torch.save into the backing disk + fsync"),
+    ("close -> durable", "ckptfs close -> durable in backing dir"),
+    ("load mount warm", "torch.load from ckptfs, cache warm"),
+    ("load mount, page cache dropped", "torch.load from ckptfs, kernel page cache dropped"),
+    ("load mount cold", "torch.load from ckptfs, evicted + page cache dropped"),
+    ("load tmpfs", "torch.load from tmpfs"),
+    ("load disk cold", "torch.load from the backing disk, page cache dropped"),
+]
+RATIOS = [
+    ("save: mount / tmpfs", "save mount", "save tmpfs"),
+    ("save: mount / disk + fsync", "save mount", "save disk + fsync"),
+    ("load: mount warm / tmpfs", "load mount warm", "load tmpfs"),
+    ("load: mount cold / disk cold", "load mount cold", "load disk cold"),
+]
+
+
+def medians(runs: list[Run]) -> dict[str, float]:
+    return {key: statistics.median(r.seconds[key] for r in runs) for key, _ in ROWS}
+
+
+def table_rows(runs: list[Run], size: int) -> list[tuple[str, str, str, str]]:
+    med = medians(runs)
+    rows = []
+    for key, label in ROWS:
+        spread = [r.seconds[key] for r in runs]
+        rows.append(
+            (
+                label,
+                f"{med[key]:.3f}",
+                f"{size / 1e9 / med[key]:.2f}",
+                f"{min(spread):.3f}-{max(spread):.3f}",
+            )
+        )
+    return rows
+
+
+def print_report(runs: list[Run], size: int, context: list[str]) -> None:
+    med = medians(runs)
+    header = ("measurement", "median s", "GB/s", "min-max s")
+    rows = table_rows(runs, size)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
+    print()
+    for line in context:
+        print(line)
+    print()
+    for r in [header, *rows]:
+        print(
+            f"{r[0]:<{widths[0]}}  "
+            + "  ".join(f"{c:>{w}}" for c, w in zip(r[1:], widths[1:], strict=True))
+        )
+    print()
+    for label, num, den in RATIOS:
+        print(f"{label:<30} {med[num] / med[den]:6.2f}x (time)")
+
+    print("\nMarkdown:\n")
+    for line in context:
+        print(f"- {line}")
+    print()
+    print("| " + " | ".join(header) + " |")
+    print("| --- | ---: | ---: | ---: |")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+    print()
+    print("| ratio (time) | x |")
+    print("| --- | ---: |")
+    for label, num, den in RATIOS:
+        print(f"| {label} | {med[num] / med[den]:.2f} |")
+
+
+def machine_context(size: int, runs: int, layout: Layout, durability: str) -> list[str]:
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return [
+        f"file: {size / 1e9:.2f} GB GPT-like state dict ({N_LAYER} layers, bf16 blocks, "
+        f"fp32 embeddings), {runs} run(s), median reported",
+        f"machine: {os.cpu_count()} CPUs, {mem / GIB:.0f} GiB RAM, Linux {platform.release()}, "
+        f"torch {torch.__version__}",
+        f"ckptfs: durability {durability}, backing dir {layout.backing}, cache in {layout.cache}",
+    ]
+
+
+# ----- main -------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m ckptfs.tools.bench", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--size-gib", type=float, default=2.0, help="state dict size (default 2)")
+    p.add_argument("--runs", type=int, default=3, help="measured runs (default 3)")
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path("/var/tmp/ckptfs-bench"),
+        help="local-disk directory for the backing dir and the disk baseline",
+    )
+    p.add_argument("--config", help="ckptfs YAML config for the mount")
+    p.add_argument("--cache-size", help="ckptfs cache size (default: 1.5 x size + 256MiB)")
+    p.add_argument("--durable-timeout", type=float, default=900.0, help="seconds (default 900)")
+    p.add_argument("--keep", action="store_true", help="keep --workdir's files afterwards")
+    args = p.parse_args(argv)
+    if args.size_gib <= 0 or args.runs < 1:
+        p.error("--size-gib must be > 0 and --runs >= 1")
+    return args
+
+
+def benchmark(args: argparse.Namespace, layout: Layout) -> None:
+    size = int(args.size_gib * GIB)
+    # The cache holds one run's file (each run deletes its file) plus headroom.
+    cache_size = args.cache_size or str(int(1.5 * size) + 256 * MIB)
+    check_memory(size, parse_size(cache_size, "--cache-size", allow_percent=True))
+
+    print(f"warming memory: writing and deleting {size / GIB:.2f} GiB in {layout.tmpfs} ...")
+    print(f"  done in {warm_memory(layout.tmpfs, size):.2f}s")
+    seconds, sd = timed(lambda: build_state_dict(size))
+    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+    print(f"built a {nbytes / GIB:.2f} GiB state dict with {len(sd)} tensors in {seconds:.1f}s")
+
+    prefault = mount(layout, cache_size, args.config)
+    status = stat_json(layout, layout.mountpoint)
+    print(
+        f"mounted; cache of {status['cache']['capacity'] >> 20} MiB pre-faulted ({prefault:.1f}s)"
+    )
+
+    runs: list[Run] = []
+    for i in range(args.runs):
+        if i:
+            perturb(sd)
+        run = one_run(layout, sd, i, args.durable_timeout)
+        runs.append(run)
+        times = ", ".join(f"{k} {v:.3f}s" for k, v in run.seconds.items())
+        print(f"run {i + 1}/{args.runs}: {times}")
+        for note in run.notes:
+            print(f"  {note}")
+    size = runs[0].file_size
+    print_report(runs, size, machine_context(size, args.runs, layout, status["durability"]))
+
+
+def cleanup(layout: Layout, keep: bool) -> None:
+    unmount(layout)
+    for d in (layout.tmpfs, layout.cache):
+        shutil.rmtree(d, ignore_errors=True)
+    if is_mounted(layout.mountpoint):
+        print(f"left {layout.workdir} in place: {layout.mountpoint} is still mounted")
+        return
+    if not keep:
+        for d in (layout.backing, layout.disk, layout.mountpoint):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    layout: Layout | None = None
+    try:
+        layout = make_layout(args.workdir)
+        benchmark(args, layout)
+        return 0
+    except (BenchError, ConfigError) as exc:
+        print(f"bench: error: {exc}", file=sys.stderr)
+        if layout is not None:
+            for log in daemon_log(layout):
+                print(f"bench: daemon log: {log}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if layout is not None:
+            cleanup(layout, args.keep)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

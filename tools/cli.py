@@ -1,0 +1,252 @@
+"""The `ckptfs` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ckptfs.fs.config import ConfigError, load_config
+from ckptfs.fs.preflight import MountError, check_backing, check_mountpoint, is_mounted, run_files
+
+from .control import ControlError, daemon_pid, find_mount, request
+from .statfmt import format_stat
+
+MOUNT_TIMEOUT = 60.0
+
+
+class CliError(Exception):
+    pass
+
+
+def _mount_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "backing": args.backing,
+        "cache.size": args.cache_size,
+        "cache.dir": args.cache_dir,
+        "durability": args.durability,
+        "node": args.node,
+    }
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    config = load_config(args.config, _mount_overrides(args))
+    mountpoint = check_mountpoint(Path(args.mountpoint))
+    config.backing = check_backing(config.backing, mountpoint)
+    sock, _, log_file = run_files(config.run_dir, mountpoint)
+    config.log_file = config.log_file or log_file
+    if args.foreground:
+        from ckptfs.fs.daemon import run_daemon, setup_logging
+
+        setup_logging(config.log_file, foreground=not os.environ.get("CKPTFS_DAEMONIZED"))
+        run_daemon(config, mountpoint)
+        return 0
+    return _spawn_daemon(args, mountpoint, config.run_dir, config.log_file)
+
+
+def _spawn_daemon(args: argparse.Namespace, mountpoint: Path, run_dir: Path, log_file: Path) -> int:
+    argv = [sys.executable, "-m", "ckptfs", "mount", str(mountpoint), "--foreground"]
+    for flag, value in (
+        ("--backing", args.backing), ("--config", args.config),
+        ("--cache-size", args.cache_size), ("--cache-dir", args.cache_dir),
+        ("--durability", args.durability), ("--node", args.node),
+    ):
+        if value is not None:
+            argv += [flag, str(Path(value).resolve()) if flag in ("--backing", "--config") else value]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "CKPTFS_DAEMONIZED": "1", "CKPTFS_RUN_DIR": str(run_dir)}
+    start_offset = log_file.stat().st_size if log_file.exists() else 0
+    with open(log_file, "ab") as log_out:
+        child = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=log_out, stderr=log_out,
+            start_new_session=True, env=env, cwd="/",
+        )
+    deadline = time.monotonic() + MOUNT_TIMEOUT
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            raise CliError(f"daemon exited ({child.returncode}): {_last_error(log_file, start_offset)}")
+        if is_mounted(mountpoint):
+            try:
+                reply = request(mountpoint, {"op": "ping"}, timeout=5)
+            except ControlError:
+                reply = {}
+            if reply.get("ok"):
+                print(f"mounted {mountpoint} (pid {child.pid}, log {log_file})")
+                return 0
+        time.sleep(0.05)
+    child.kill()
+    raise CliError(f"mount of {mountpoint} did not become ready within {MOUNT_TIMEOUT:.0f}s "
+                   f"(see {log_file})")
+
+
+def _last_error(log_file: Path, offset: int) -> str:
+    try:
+        with open(log_file, "rb") as f:
+            f.seek(offset)
+            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return f"see {log_file}"
+    for line in reversed(lines):
+        if "error" in line.lower():
+            return line
+    return lines[-1] if lines else f"see {log_file}"
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    mountpoint = Path(os.path.abspath(args.mountpoint))
+    try:
+        mountpoint = mountpoint.resolve()
+    except OSError:
+        pass
+    if not is_mounted(mountpoint):
+        raise CliError(f"{mountpoint} is not mounted")
+    pid = daemon_pid(mountpoint)
+    try:
+        reply = request(mountpoint, {"op": "unmount", "timeout": args.timeout,
+                                     "force": args.force}, timeout=None)
+    except ControlError as exc:
+        if not args.force:
+            raise CliError(f"{exc}; use --force to detach the mount anyway") from None
+        reply = {"ok": False, "error": str(exc)}
+    if not reply.get("ok"):
+        if not args.force:
+            raise CliError(f"not unmounted: {reply.get('error')} {reply.get('not_durable', '')}")
+        subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False)
+    _wait_gone(mountpoint, pid, 60)
+    print(f"unmounted {mountpoint}")
+    return 0
+
+
+def _wait_gone(mountpoint: Path, pid: int | None, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = pid is not None and _is_daemon(pid)
+        if not alive and not is_mounted(mountpoint):
+            return
+        time.sleep(0.05)
+    raise CliError(f"the daemon for {mountpoint} did not exit within {timeout:.0f}s")
+
+
+def _is_daemon(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"ckptfs" in cmdline
+
+
+def _daemon_for(path: str | None) -> tuple[Path, str]:
+    try:
+        return find_mount(Path(path or os.getcwd()))
+    except ControlError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _ask(mountpoint: Path, payload: dict[str, Any], timeout: float | None = 30) -> dict[str, Any]:
+    try:
+        reply = request(mountpoint, payload, timeout)
+    except ControlError as exc:
+        raise CliError(str(exc)) from None
+    return reply
+
+
+def cmd_stat(args: argparse.Namespace) -> int:
+    mountpoint, rel = _daemon_for(args.path)
+    while True:
+        reply = _ask(mountpoint, {"op": "stat", "path": rel})
+        if not reply.get("ok"):
+            raise CliError(reply.get("error", "stat failed"))
+        reply.pop("ok")
+        if args.json:
+            print(json.dumps(reply, indent=2))
+        else:
+            if args.watch:
+                print("\033[H\033[J", end="")
+            print(format_stat(reply))
+        if not args.watch:
+            return 0
+        time.sleep(args.interval)
+
+
+def cmd_flush(args: argparse.Namespace) -> int:
+    mountpoint, rel = _daemon_for(args.path)
+    reply = _ask(mountpoint, {"op": "flush", "path": rel, "wait": args.wait,
+                              "timeout": args.timeout}, timeout=None if args.wait else 30)
+    if not reply.get("ok"):
+        raise CliError(f"{reply.get('error')}: {', '.join(reply.get('not_durable', []))}")
+    what = "durable" if args.wait else "queued"
+    print(f"{reply.get('files', 0)} file(s) {what} under {mountpoint / rel}")
+    return 0
+
+
+def cmd_evict(args: argparse.Namespace) -> int:
+    mountpoint, rel = _daemon_for(args.path)
+    reply = _ask(mountpoint, {"op": "evict", "path": rel})
+    if not reply.get("ok"):
+        raise CliError(reply.get("error", "evict failed"))
+    kept = reply.get("not_durable", [])
+    print(f"evicted {reply['freed'] >> 20} MiB under {mountpoint / rel}"
+          + (f"; kept {len(kept)} file(s) that are not durable yet" if kept else ""))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ckptfs", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("mount", help="mount ckptfs at MOUNTPOINT over a backing directory")
+    p.add_argument("mountpoint")
+    p.add_argument("--backing", help="backing directory (the NFS/SFS checkpoint directory)")
+    p.add_argument("--config", help="YAML config file")
+    p.add_argument("--cache-size", help="RAM cache budget: bytes, KiB/MiB/GiB, or %% of RAM")
+    p.add_argument("--cache-dir", help="tmpfs directory for the cache (default /dev/shm/ckptfs)")
+    p.add_argument("--durability", choices=["local", "buddy", "backing"])
+    p.add_argument("--node", help="this node's name (default: hostname)")
+    p.add_argument("--foreground", action="store_true", help="do not daemonize")
+    p.set_defaults(func=cmd_mount)
+
+    p = sub.add_parser("umount", help="flush everything to the backing store, then unmount")
+    p.add_argument("mountpoint")
+    p.add_argument("--timeout", type=float, help="give up waiting for the flush after seconds")
+    p.add_argument("--force", action="store_true",
+                   help="unmount even if the flush fails (dirty data stays in the tmpfs cache)")
+    p.set_defaults(func=cmd_umount)
+
+    p = sub.add_parser("stat", help="cache, per-file state, flush and backing-store status")
+    p.add_argument("path", nargs="?")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--watch", action="store_true", help="refresh until interrupted")
+    p.add_argument("--interval", type=float, default=1.0)
+    p.set_defaults(func=cmd_stat)
+
+    p = sub.add_parser("flush", help="start (and wait for) persistence under PATH")
+    p.add_argument("path", nargs="?")
+    p.add_argument("--wait", action="store_true")
+    p.add_argument("--timeout", type=float)
+    p.set_defaults(func=cmd_flush)
+
+    p = sub.add_parser("evict", help="drop durable cached bytes under PATH from RAM")
+    p.add_argument("path", nargs="?")
+    p.set_defaults(func=cmd_evict)
+
+    from . import offline_cli
+
+    offline_cli.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (CliError, ConfigError, MountError, ControlError) as exc:
+        print(f"ckptfs: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

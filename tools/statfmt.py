@@ -1,0 +1,45 @@
+"""Human-readable rendering of `ckptfs stat`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def format_stat(s: dict[str, Any]) -> str:
+    c, fl = s["cache"], s["flush"]
+    lines = [
+        f"ckptfs at {s['mountpoint']}  node {s['node']}  pid {s['pid']}  "
+        f"durability {s['durability']}",
+        f"backing: {s['backing']}  health {s['backing_health']}",
+        f"cache:   {human(c['used'])} used of {human(c['capacity'])}, {human(c['dirty'])} dirty"
+        f"  (pre-faulted {human(c['prefaulted'])}, evicted {human(c['evicted_bytes'])},"
+        f" spilled {human(c['spilled_bytes'])})",
+        f"backpressure: {c['waiting_writers']} writer(s) waiting now, "
+        f"{c['backpressure_events']} event(s), {c['backpressure_seconds']:.1f}s waited",
+        f"flush:   {fl['queued']} queued, {len(fl['active'])} active, stored "
+        f"{human(fl['bytes_stored'])}, saved by dedup {human(fl['bytes_deduped'])}, "
+        f"{human(fl['throughput'])}/s now, hashing {human(fl['hash_throughput'])}/s"
+        + (f", cap {human(fl['bandwidth_cap'])}/s" if fl["bandwidth_cap"] else ""),
+    ]
+    if s["files"]:
+        lines.append(f"{'STATE':<9} {'SIZE':>10} {'FLUSHED':>8}  PATH")
+        for f in s["files"]:
+            done = f["flushed_bytes"] / f["size"] if f["size"] else 1.0
+            progress = "100%" if f["state"] == "durable" else f"{done:.0%}"
+            lines.append(f"{f['state']:<9} {human(f['size']):>10} {progress:>8}  {f['path']}")
+    for lost in s.get("lost", []):
+        lines.append(f"LOST      {lost['path']}: {lost['reason']}")
+    if s.get("history"):
+        lines.append("recent checkpoints (close s / durable s after close / MB/s):")
+        for h in s["history"][-5:]:
+            lines.append(f"  {h['time']}  {h['path']}  {human(h['size'])}  "
+                         f"{h['close_s']} / {h['durable_s']} / {h['throughput_MBps']}")
+    return "\n".join(lines)

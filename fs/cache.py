@@ -8,6 +8,7 @@ It knows nothing of FUSE, inodes or paths beyond what it logs.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -170,7 +171,8 @@ class Cache:
         done = self._inflight[chunk.hash] = trio.Event()
         try:
             data = await self.io.run(
-                self.store.get, chunk.hash, chunk.length, what, what=f"read chunk of {what}"
+                functools.partial(self.store.get, chunk.hash, chunk.length, what=what),
+                what=f"read chunk of {what}",
             )
             self.chunk_reads += 1
             self._recent[chunk.hash] = data

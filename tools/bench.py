@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 from ckptfs.fs.config import ConfigError, parse_size
+from ckptfs.fs.preflight import is_mounted
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -83,6 +84,11 @@ class Layout:
 def make_layout(workdir: Path) -> Layout:
     tag = f"ckptfs-bench-{os.getpid()}"
     layout = Layout(workdir.resolve(), Path("/dev/shm") / tag, Path("/dev/shm") / f"{tag}-cache")
+    if is_mounted(layout.mountpoint):
+        raise BenchError(
+            f"{layout.mountpoint} is still mounted (an earlier run?): "
+            f"`ckptfs umount {layout.mountpoint}` or `fusermount3 -u -z {layout.mountpoint}`"
+        )
     for d in (layout.backing, layout.mountpoint, layout.disk, layout.run_dir, layout.tmpfs):
         d.mkdir(parents=True, exist_ok=True)
     if any(layout.mountpoint.iterdir()) or any(layout.backing.iterdir()):
@@ -124,10 +130,10 @@ def file_entry(status: dict[str, Any], layout: Layout, path: Path) -> dict[str, 
     return next((f for f in status.get("files", []) if f.get("path") == rel), None)
 
 
-def mount(layout: Layout, cache_size: int, config: str | None) -> float:
+def mount(layout: Layout, cache_size: str, config: str | None) -> float:
     """Mount and wait until the daemon has pre-faulted its cache; returns that wait."""
     args = ["mount", str(layout.mountpoint), "--backing", str(layout.backing)]
-    args += ["--cache-size", str(cache_size), "--cache-dir", str(layout.cache)]
+    args += ["--cache-size", cache_size, "--cache-dir", str(layout.cache)]
     if config:
         args += ["--config", config]
     print(ckptfs(layout, *args).strip())
@@ -149,16 +155,11 @@ def unmount(layout: Layout) -> None:
         return
     try:
         print(ckptfs(layout, "umount", str(layout.mountpoint), timeout=600).strip())
-    except (BenchError, ConfigError) as exc:
+    except BenchError as exc:
         print(f"warning: {exc}; detaching with fusermount3 -u -z", file=sys.stderr)
         subprocess.run(["fusermount3", "-u", "-z", str(layout.mountpoint)], check=False)
     if is_mounted(layout.mountpoint):
         print(f"warning: {layout.mountpoint} is still mounted", file=sys.stderr)
-
-
-def is_mounted(path: Path) -> bool:
-    with open("/proc/self/mounts") as mounts:
-        return any(line.split()[1] == str(path) for line in mounts)
 
 
 def daemon_log(layout: Layout) -> list[Path]:
@@ -286,6 +287,8 @@ def same_state(expected: dict[str, torch.Tensor], actual: Any) -> bool:
 class Run:
     file_size: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
+    poll_s: float = 0.0  # how long one `ckptfs stat` poll took: the durable time's resolution
+    page_cache_drop: str = ""
     notes: list[str] = field(default_factory=list)
 
 
@@ -365,10 +368,9 @@ def one_run(layout: Layout, sd: dict[str, torch.Tensor], index: int, timeout: fl
     mnt_dir.mkdir()
     mnt_file = mnt_dir / "model.pt"
     s["save mount"], _ = timed(lambda: save(sd, mnt_file, "mount"))
-    s["close -> durable"], poll = wait_durable(layout, mnt_file, timeout)
-    run.notes.append(f"durable poll resolution {poll:.3f}s")
+    s["close -> durable"], run.poll_s = wait_durable(layout, mnt_file, timeout)
     s["load mount warm"] = load_checked(sd, mnt_file, "mount warm")
-    run.notes.append("page cache: " + drop_page_cache(mnt_file))
+    run.page_cache_drop = drop_page_cache(mnt_file)
     s["load mount, page cache dropped"] = load_checked(sd, mnt_file, "mount page cache dropped")
     note = evict(layout, mnt_file)
     drop_page_cache(mnt_file)
@@ -465,14 +467,18 @@ def print_report(runs: list[Run], size: int, context: list[str]) -> None:
         print(f"| {label} | {med[num] / med[den]:.2f} |")
 
 
-def machine_context(size: int, runs: int, layout: Layout, durability: str) -> list[str]:
+def context(runs: list[Run], layout: Layout, durability: str) -> list[str]:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    poll = statistics.median(r.poll_s for r in runs)
     return [
-        f"file: {size / 1e9:.2f} GB GPT-like state dict ({N_LAYER} layers, bf16 blocks, "
-        f"fp32 embeddings), {runs} run(s), median reported",
+        f"file: {runs[0].file_size / 1e9:.2f} GB GPT-like state dict ({N_LAYER} layers, "
+        f"bf16 blocks, fp32 embeddings), {len(runs)} run(s), median reported",
         f"machine: {os.cpu_count()} CPUs, {mem / GIB:.0f} GiB RAM, Linux {platform.release()}, "
         f"torch {torch.__version__}",
         f"ckptfs: durability {durability}, backing dir {layout.backing}, cache in {layout.cache}",
+        f"durable time seen by polling `ckptfs stat --json` (one poll: {poll:.3f}s); "
+        f"page cache dropped with {runs[0].page_cache_drop}; every load opens a new fd",
+        "GB/s = file size / time (10^9 bytes); ratios are time ratios, below 1 = ckptfs faster",
     ]
 
 
@@ -529,8 +535,7 @@ def benchmark(args: argparse.Namespace, layout: Layout) -> None:
         print(f"run {i + 1}/{args.runs}: {times}")
         for note in run.notes:
             print(f"  {note}")
-    size = runs[0].file_size
-    print_report(runs, size, machine_context(size, args.runs, layout, status["durability"]))
+    print_report(runs, runs[0].file_size, context(runs, layout, status["durability"]))
 
 
 def cleanup(layout: Layout, keep: bool) -> None:

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs what ckptfs needs on a Debian machine: FUSE 3 (packages), and a
+# virtual environment at .venv with ckptfs, torch==2.13.0 (CPU) and the test
+# tools. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo"
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq fuse3 libfuse3-dev pkg-config >/dev/null
+[ -x .venv/bin/python ] || python3 -m venv .venv
+# torch first and pinned: a bare "torch" requirement would pull a CUDA build.
+.venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
+.venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+echo "ckptfs installed: $(.venv/bin/ckptfs --help >/dev/null && echo .venv/bin/ckptfs)"

@@ -57,9 +57,7 @@ class Cache:
         return f
 
     def new_file(self, file_id: str, version: str, path: str, mode: int) -> CachedFile:
-        return self.add(
-            CachedFile(file_id, version, path, 0, mode, time.time_ns(), self.page_size)
-        )
+        return self.add(CachedFile(file_id, version, path, 0, mode, time.time_ns(), self.page_size))
 
     def from_manifest(self, m: Manifest, path: str) -> CachedFile:
         f = CachedFile(m.file_id, m.version, path, m.size, m.mode, m.mtime_ns, self.page_size)

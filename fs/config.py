@@ -210,7 +210,8 @@ def load_config(
         try:
             data = yaml.safe_load(text) or {}
         except yaml.YAMLError as exc:
-            raise ConfigError("--config", f"{path} is not valid YAML: {exc}".splitlines()[0])
+            msg = f"{path} is not valid YAML: {exc}".splitlines()[0]
+            raise ConfigError("--config", msg) from None
         if not isinstance(data, dict):
             raise ConfigError("--config", f"{path} must hold a mapping")
         values.update(_flatten(data))

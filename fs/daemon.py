@@ -95,8 +95,12 @@ class Daemon:
                 self.pid_path.write_text(f"{os.getpid()}\n")
                 log.info(
                     "mounted %s (backing %s, node %s, cache %d MiB at %s, durability %s)",
-                    self.mountpoint, self.backing_root, self.config.node,
-                    self.arena.capacity >> 20, self.cache_root, self.config.durability,
+                    self.mountpoint,
+                    self.backing_root,
+                    self.config.node,
+                    self.arena.capacity >> 20,
+                    self.cache_root,
+                    self.config.durability,
                 )
                 await pyfuse3.main(min_tasks=2, max_tasks=self.config.fuse_workers)
                 clean = self._all_durable()
@@ -112,7 +116,8 @@ class Daemon:
             else:
                 log.warning(
                     "unmounted %s with data not yet durable; it stays in %s for the next mount",
-                    self.mountpoint, self.cache_root,
+                    self.mountpoint,
+                    self.cache_root,
                 )
 
     def _all_durable(self) -> bool:
@@ -153,8 +158,12 @@ class Daemon:
                 while f.state != DURABLE and not f.unlinked:
                     await f.durable_event.wait()
         failed = [f.path for f in pending if f.state != DURABLE and not f.unlinked]
-        return {"ok": not failed, "files": len(pending), "not_durable": failed,
-                **({"error": f"{len(failed)} file(s) not durable yet"} if failed else {})}
+        return {
+            "ok": not failed,
+            "files": len(pending),
+            "not_durable": failed,
+            **({"error": f"{len(failed)} file(s) not durable yet"} if failed else {}),
+        }
 
     async def _prefault(self) -> None:
         """Touch the whole arena once, in the background (see arena.py)."""
@@ -167,8 +176,9 @@ class Daemon:
                 self.prefaulted += await trio.to_thread.run_sync(self.arena.prefault, batch)
             finally:
                 self.arena.return_prefault_batch(batch)
-        log.info("pre-faulted %d MiB of cache in %.1fs", self.prefaulted >> 20,
-                 time.monotonic() - start)
+        log.info(
+            "pre-faulted %d MiB of cache in %.1fs", self.prefaulted >> 20, time.monotonic() - start
+        )
 
     # ----- recovery -------------------------------------------------------------
     def _recover(self) -> None:
@@ -181,8 +191,15 @@ class Daemon:
             except (OSError, ValueError):
                 manifest = None
             slots = {s for s in record["pages"] if s >= 0}
-            f = CachedFile(record["file_id"], record["version"], path, record["size"],
-                           record["mode"], record["mtime_ns"], self.cache.page_size)
+            f = CachedFile(
+                record["file_id"],
+                record["version"],
+                path,
+                record["size"],
+                record["mode"],
+                record["mtime_ns"],
+                self.cache.page_size,
+            )
             if (
                 manifest is None
                 or (manifest.file_id, manifest.version) != (f.file_id, f.version)
@@ -252,8 +269,11 @@ class Daemon:
             {**f.describe(), "holders": [self.config.node]}
             for f in sorted(self.fs.files_under(prefix), key=lambda f: f.path)
         ]
-        lost = [{"path": p, "reason": r} for p, r in sorted(self.cache.lost.items())
-                if not prefix or p == prefix or p.startswith(prefix + "/")]
+        lost = [
+            {"path": p, "reason": r}
+            for p, r in sorted(self.cache.lost.items())
+            if not prefix or p == prefix or p.startswith(prefix + "/")
+        ]
         return {
             "ok": True,
             "mountpoint": str(self.mountpoint),
@@ -262,8 +282,11 @@ class Daemon:
             "pid": os.getpid(),
             "durability": self.config.durability,
             "uptime": round(time.time() - self.started, 1),
-            "cache": {**self.cache.stats(), "dir": str(self.cache_root),
-                      "prefaulted": self.prefaulted},
+            "cache": {
+                **self.cache.stats(),
+                "dir": str(self.cache_root),
+                "prefaulted": self.prefaulted,
+            },
             "flush": self.flusher.stats(),
             "backing_health": self.io.health,
             "files": files,

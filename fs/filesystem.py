@@ -114,8 +114,10 @@ class FileSystem:
     def _local(f: CachedFile, entry: Entry) -> bool:
         """Whether our cached copy, not the manifest, is authoritative for attributes."""
         m = entry.manifest
-        return m is not None and m.file_id == f.file_id and (
-            f.handles > 0 or f.gen != f.published_gen or f.version == m.version
+        return (
+            m is not None
+            and m.file_id == f.file_id
+            and (f.handles > 0 or f.gen != f.published_gen or f.version == m.version)
         )
 
     async def _entry(self, path: str) -> Entry:
@@ -356,7 +358,9 @@ class FileSystem:
         log.error("%s is lost: %s", path, reason)
         return f
 
-    async def _adopt_plain(self, inode: Inode, path: str, entry: Entry, writable: bool) -> CachedFile:
+    async def _adopt_plain(
+        self, inode: Inode, path: str, entry: Entry, writable: bool
+    ) -> CachedFile:
         """Writing to a plain backing file turns it into a ckptfs file at close."""
         if not writable:
             raise FsError(errno.EIO, "plain file opened through the cache")
@@ -484,8 +488,11 @@ class FileSystem:
         if change.mode is not None:
             await self.backing.chmod(path, change.mode & 0o7777)
         if change.uid is not None or change.gid is not None:
-            await self.backing.chown(path, -1 if change.uid is None else change.uid,
-                                     -1 if change.gid is None else change.gid)
+            await self.backing.chown(
+                path,
+                -1 if change.uid is None else change.uid,
+                -1 if change.gid is None else change.gid,
+            )
         if change.atime_ns is not None or change.mtime_ns is not None:
             st = (await self._entry(path)).st
             await self.backing.utime(
@@ -506,8 +513,11 @@ class FileSystem:
         if not inode.unlinked:
             path = self.inodes.path(inode.ino)
             if change.uid is not None or change.gid is not None:
-                await self.backing.chown(path, -1 if change.uid is None else change.uid,
-                                         -1 if change.gid is None else change.gid)
+                await self.backing.chown(
+                    path,
+                    -1 if change.uid is None else change.uid,
+                    -1 if change.gid is None else change.gid,
+                )
             if not f.writers:
                 if f.gen != f.published_gen:
                     await self.commit(f)
@@ -517,10 +527,20 @@ class FileSystem:
 
     async def _republish_meta(self, f: CachedFile) -> None:
         """Mode or mtime changed, not content: rewrite the manifest in its current state."""
+
         def make() -> Manifest:
             if f.state == DURABLE:
-                return Manifest(f.file_id, f.version, f.size, f.mode, f.mtime_ns, "durable",
-                                [self.node], list(f.base), f.chunking)
+                return Manifest(
+                    f.file_id,
+                    f.version,
+                    f.size,
+                    f.mode,
+                    f.mtime_ns,
+                    "durable",
+                    [self.node],
+                    list(f.base),
+                    f.chunking,
+                )
             return self._pending_manifest(f)
 
         await self.publish(f, make)
@@ -540,7 +560,8 @@ class FileSystem:
         return [
             f
             for f in self.cache.files.values()
-            if not f.unlinked and (not prefix or f.path == prefix or f.path.startswith(prefix + "/"))
+            if not f.unlinked
+            and (not prefix or f.path == prefix or f.path.startswith(prefix + "/"))
         ]
 
     def close_all(self) -> None:

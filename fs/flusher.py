@@ -107,7 +107,7 @@ class Flusher:
                 self.failures += 1
                 f.state = DIRTY
                 log.error("flush of %s failed, will retry: %s", f.path, exc)
-                await trio.sleep(min(60.0, 2.0**min(self.failures, 6)))
+                await trio.sleep(min(60.0, 2.0 ** min(self.failures, 6)))
                 self.enqueue(f)
 
     async def flush_file(self, f: CachedFile) -> None:
@@ -145,6 +145,7 @@ class Flusher:
                 chunks=[c for c in chunks if c is not None],
                 chunking=kind,
             )
+
             # Checked again under the publish lock: a newer version may have
             # been published while this one's last chunks were stored.
             def fresh() -> Manifest | None:

@@ -196,8 +196,17 @@ class Operations(pyfuse3.Operations):
     async def statfs(self, ctx: Any) -> pyfuse3.StatvfsData:
         st = await self.fs.statfs()
         out = pyfuse3.StatvfsData()
-        for name in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail",
-                     "f_files", "f_ffree", "f_favail", "f_namemax"):
+        for name in (
+            "f_bsize",
+            "f_frsize",
+            "f_blocks",
+            "f_bfree",
+            "f_bavail",
+            "f_files",
+            "f_ffree",
+            "f_favail",
+            "f_namemax",
+        ):
             setattr(out, name, getattr(st, name))
         return out
 

@@ -46,7 +46,11 @@ def check_backing(backing: Path | None, mountpoint: Path) -> Path:
         probe.unlink()
         (resolved / ".ckptfs" / "chunks").mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        reason = "permission denied" if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else exc.strerror
+        reason = (
+            "permission denied"
+            if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+            else exc.strerror
+        )
         raise MountError(f"backing directory {backing} is not writable: {reason}") from None
     return resolved
 

@@ -46,28 +46,52 @@ class Mount:
         self.cache_dir = Path("/dev/shm") / f"ckptfs-test-{os.getpid()}-{root.name}-{name}"
         for d in (self.mnt, self.backing, self.run_dir):
             d.mkdir(parents=True, exist_ok=True)
-        self.env = {**os.environ, "CKPTFS_RUN_DIR": str(self.run_dir),
-                    "CKPTFS_CACHE_DIR": str(self.cache_dir)}
+        self.env = {
+            **os.environ,
+            "CKPTFS_RUN_DIR": str(self.run_dir),
+            "CKPTFS_CACHE_DIR": str(self.cache_dir),
+        }
         self.allowed_log: list[str] = []
         self.pid: int | None = None
 
-    def cli(self, *args: str, check: bool = True, timeout: float = 120,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    def cli(
+        self,
+        *args: str,
+        check: bool = True,
+        timeout: float = 120,
+        env: dict[str, str] | None = None,
+    ) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run(
-            [sys.executable, "-m", "ckptfs", *args], capture_output=True, text=True,
-            timeout=timeout, env={**self.env, **(env or {})},
+            [sys.executable, "-m", "ckptfs", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**self.env, **(env or {})},
         )
         if check and proc.returncode != 0:
             raise AssertionError(f"ckptfs {' '.join(args)} failed: {proc.stderr}{proc.stdout}")
         return proc
 
-    def mount(self, *extra: str, cache_size: str = "256MiB", env: dict[str, str] | None = None
-              ) -> None:
-        self.cli("mount", str(self.mnt), "--backing", str(self.backing),
-                 "--cache-size", cache_size, *extra, env=env, timeout=90)
+    def mount(
+        self, *extra: str, cache_size: str = "256MiB", env: dict[str, str] | None = None
+    ) -> None:
+        self.cli(
+            "mount",
+            str(self.mnt),
+            "--backing",
+            str(self.backing),
+            "--cache-size",
+            cache_size,
+            *extra,
+            env=env,
+            timeout=90,
+        )
         assert is_mounted(self.mnt)
-        self.pid = int((self.run_dir / next(
-            p.name for p in self.run_dir.iterdir() if p.suffix == ".pid")).read_text())
+        self.pid = int(
+            (
+                self.run_dir / next(p.name for p in self.run_dir.iterdir() if p.suffix == ".pid")
+            ).read_text()
+        )
 
     def stat(self, path: Path | None = None) -> dict[str, Any]:
         return json.loads(self.cli("stat", str(path or self.mnt), "--json").stdout)
@@ -92,8 +116,14 @@ class Mount:
         """SIGKILL the daemon (a crash); the mount is left dead until detached."""
         assert self.pid is not None
         os.kill(self.pid, signal.SIGKILL)
-        wait_for(lambda: not Path(f"/proc/{self.pid}").exists()
-                 or "Z" in Path(f"/proc/{self.pid}/stat").read_text().split()[2], 10, "daemon death")
+        wait_for(
+            lambda: (
+                not Path(f"/proc/{self.pid}").exists()
+                or "Z" in Path(f"/proc/{self.pid}/stat").read_text().split()[2]
+            ),
+            10,
+            "daemon death",
+        )
         subprocess.run([FUSERMOUNT, "-u", "-z", str(self.mnt)], capture_output=True, timeout=30)
 
     def cleanup(self) -> None:

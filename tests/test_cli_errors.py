@@ -8,13 +8,17 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from ckptfs.fs.config import ConfigError, load_config, parse_size
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckptfs", *args], capture_output=True,
-                          text=True, timeout=60, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "ckptfs", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess[str], *words: str) -> None:
@@ -31,8 +35,11 @@ def dirs(tmp_path: Path) -> tuple[Path, Path, dict[str, str]]:
     mnt, backing = tmp_path / "mnt", tmp_path / "backing"
     mnt.mkdir()
     backing.mkdir()
-    return mnt, backing, {"CKPTFS_RUN_DIR": str(tmp_path / "run"),
-                          "CKPTFS_CACHE_DIR": str(tmp_path / "cache")}
+    return (
+        mnt,
+        backing,
+        {"CKPTFS_RUN_DIR": str(tmp_path / "run"), "CKPTFS_CACHE_DIR": str(tmp_path / "cache")},
+    )
 
 
 def test_mountpoint_missing(dirs, tmp_path):
@@ -73,8 +80,7 @@ def test_backing_not_writable(dirs, tmp_path):
     subprocess.run(["mount", "--bind", str(backing), str(ro)], check=True)
     try:
         subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], check=True)
-        assert_one_line_error(run("mount", str(mnt), "--backing", str(ro), env=env),
-                              "not writable")
+        assert_one_line_error(run("mount", str(mnt), "--backing", str(ro), env=env), "not writable")
     finally:
         subprocess.run(["umount", str(ro)], check=False)
 
@@ -118,8 +124,9 @@ def test_bad_flag_and_env_values_name_the_key(dirs):
     mnt, backing, env = dirs
     proc = run("mount", str(mnt), "--backing", str(backing), "--cache-size", "12 apples", env=env)
     assert_one_line_error(proc, "'cache.size'")
-    proc = run("mount", str(mnt), "--backing", str(backing),
-               env={**env, "CKPTFS_FLUSH_WORKERS": "-3"})
+    proc = run(
+        "mount", str(mnt), "--backing", str(backing), env={**env, "CKPTFS_FLUSH_WORKERS": "-3"}
+    )
     assert_one_line_error(proc, "'flush.workers'")
 
 
@@ -128,7 +135,9 @@ def test_size_parsing():
     assert parse_size("2GiB", "k") == 2 << 30
     assert parse_size("1.5G", "k") == int(1.5 * (1 << 30))
     assert parse_size(4096, "k") == 4096
-    assert 0 < parse_size("10%", "k", allow_percent=True) < parse_size("20%", "k", allow_percent=True)
+    assert (
+        0 < parse_size("10%", "k", allow_percent=True) < parse_size("20%", "k", allow_percent=True)
+    )
     with pytest.raises(ConfigError):
         parse_size("10%", "k")
 

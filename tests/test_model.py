@@ -12,16 +12,16 @@ import os
 import shutil
 from pathlib import Path
 
+from ckptfs.tools.control import request
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from ckptfs.tools.control import request
-
 NAMES = st.sampled_from(["a", "b", "c", "d.pt", "e.json"])
 DIRS = st.sampled_from(["", "x", "x/y", "z"])
-SIZES = st.sampled_from([0, 1, 100, 4095, 4096, 65536, (1 << 20) - 1, 1 << 20, (1 << 20) + 7,
-                         3 << 20])
+SIZES = st.sampled_from(
+    [0, 1, 100, 4095, 4096, 65536, (1 << 20) - 1, 1 << 20, (1 << 20) + 7, 3 << 20]
+)
 OFFSETS = st.sampled_from([0, 1, 4096, 1 << 20, (1 << 20) - 5, 2 << 20, 5 << 20])
 STEPS = {"count": 0}
 
@@ -122,8 +122,11 @@ class FsModel(RuleBasedStateMachine):
     @rule(evict=st.booleans())
     def flush_and_evict(self, evict):
         STEPS["count"] += 1
-        reply = request(self.mount.mnt, {"op": "flush", "path": self.example, "wait": True,
-                                         "timeout": 60}, timeout=90)
+        reply = request(
+            self.mount.mnt,
+            {"op": "flush", "path": self.example, "wait": True, "timeout": 60},
+            timeout=90,
+        )
         assert reply["ok"], reply
         if evict:
             assert request(self.mount.mnt, {"op": "evict", "path": self.example})["ok"]
@@ -151,7 +154,10 @@ def test_random_operations_match_a_plain_directory(mounted, monkeypatch):
     STEPS["count"] = 0
     runner = FsModel.TestCase
     runner.settings = settings(
-        max_examples=14, stateful_step_count=50, deadline=None, database=None,
+        max_examples=14,
+        stateful_step_count=50,
+        deadline=None,
+        database=None,
         suppress_health_check=list(HealthCheck),
     )
     runner().runTest()

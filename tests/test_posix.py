@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from ckptfs.fs.manifest import read_manifest
 
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from ckptfs.fs.chunkstore import ChunkStore
 from ckptfs.fs.manifest import read_manifest
 

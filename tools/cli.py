@@ -52,25 +52,38 @@ def cmd_mount(args: argparse.Namespace) -> int:
 def _spawn_daemon(args: argparse.Namespace, mountpoint: Path, run_dir: Path, log_file: Path) -> int:
     argv = [sys.executable, "-m", "ckptfs", "mount", str(mountpoint), "--foreground"]
     for flag, value in (
-        ("--backing", args.backing), ("--config", args.config),
-        ("--cache-size", args.cache_size), ("--cache-dir", args.cache_dir),
-        ("--durability", args.durability), ("--node", args.node),
+        ("--backing", args.backing),
+        ("--config", args.config),
+        ("--cache-size", args.cache_size),
+        ("--cache-dir", args.cache_dir),
+        ("--durability", args.durability),
+        ("--node", args.node),
     ):
         if value is not None:
-            argv += [flag, str(Path(value).resolve()) if flag in ("--backing", "--config") else value]
+            argv += [
+                flag,
+                str(Path(value).resolve()) if flag in ("--backing", "--config") else value,
+            ]
     run_dir.mkdir(parents=True, exist_ok=True)
     log_file.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "CKPTFS_DAEMONIZED": "1", "CKPTFS_RUN_DIR": str(run_dir)}
     start_offset = log_file.stat().st_size if log_file.exists() else 0
     with open(log_file, "ab") as log_out:
         child = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=log_out, stderr=log_out,
-            start_new_session=True, env=env, cwd="/",
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log_out,
+            stderr=log_out,
+            start_new_session=True,
+            env=env,
+            cwd="/",
         )
     deadline = time.monotonic() + MOUNT_TIMEOUT
     while time.monotonic() < deadline:
         if child.poll() is not None:
-            raise CliError(f"daemon exited ({child.returncode}): {_last_error(log_file, start_offset)}")
+            raise CliError(
+                f"daemon exited ({child.returncode}): {_last_error(log_file, start_offset)}"
+            )
         if is_mounted(mountpoint):
             try:
                 reply = request(mountpoint, {"op": "ping"}, timeout=5)
@@ -81,15 +94,18 @@ def _spawn_daemon(args: argparse.Namespace, mountpoint: Path, run_dir: Path, log
                 return 0
         time.sleep(0.05)
     child.kill()
-    raise CliError(f"mount of {mountpoint} did not become ready within {MOUNT_TIMEOUT:.0f}s "
-                   f"(see {log_file})")
+    raise CliError(
+        f"mount of {mountpoint} did not become ready within {MOUNT_TIMEOUT:.0f}s (see {log_file})"
+    )
 
 
 def _last_error(log_file: Path, offset: int) -> str:
     try:
         with open(log_file, "rb") as f:
             f.seek(offset)
-            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+            lines = [
+                ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()
+            ]
     except OSError:
         return f"see {log_file}"
     for line in reversed(lines):
@@ -108,8 +124,11 @@ def cmd_umount(args: argparse.Namespace) -> int:
         raise CliError(f"{mountpoint} is not mounted")
     pid = daemon_pid(mountpoint)
     try:
-        reply = request(mountpoint, {"op": "unmount", "timeout": args.timeout,
-                                     "force": args.force}, timeout=None)
+        reply = request(
+            mountpoint,
+            {"op": "unmount", "timeout": args.timeout, "force": args.force},
+            timeout=None,
+        )
     except ControlError as exc:
         if not args.force:
             raise CliError(f"{exc}; use --force to detach the mount anyway") from None
@@ -176,8 +195,11 @@ def cmd_stat(args: argparse.Namespace) -> int:
 
 def cmd_flush(args: argparse.Namespace) -> int:
     mountpoint, rel = _daemon_for(args.path)
-    reply = _ask(mountpoint, {"op": "flush", "path": rel, "wait": args.wait,
-                              "timeout": args.timeout}, timeout=None if args.wait else 30)
+    reply = _ask(
+        mountpoint,
+        {"op": "flush", "path": rel, "wait": args.wait, "timeout": args.timeout},
+        timeout=None if args.wait else 30,
+    )
     if not reply.get("ok"):
         raise CliError(f"{reply.get('error')}: {', '.join(reply.get('not_durable', []))}")
     what = "durable" if args.wait else "queued"
@@ -191,8 +213,10 @@ def cmd_evict(args: argparse.Namespace) -> int:
     if not reply.get("ok"):
         raise CliError(reply.get("error", "evict failed"))
     kept = reply.get("not_durable", [])
-    print(f"evicted {reply['freed'] >> 20} MiB under {mountpoint / rel}"
-          + (f"; kept {len(kept)} file(s) that are not durable yet" if kept else ""))
+    print(
+        f"evicted {reply['freed'] >> 20} MiB under {mountpoint / rel}"
+        + (f"; kept {len(kept)} file(s) that are not durable yet" if kept else "")
+    )
     return 0
 
 
@@ -214,8 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("umount", help="flush everything to the backing store, then unmount")
     p.add_argument("mountpoint")
     p.add_argument("--timeout", type=float, help="give up waiting for the flush after seconds")
-    p.add_argument("--force", action="store_true",
-                   help="unmount even if the flush fails (dirty data stays in the tmpfs cache)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="unmount even if the flush fails (dirty data stays in the tmpfs cache)",
+    )
     p.set_defaults(func=cmd_umount)
 
     p = sub.add_parser("stat", help="cache, per-file state, flush and backing-store status")

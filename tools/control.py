@@ -49,7 +49,9 @@ def find_mount(path: Path) -> tuple[Path, str]:
     return best, rel
 
 
-def request(mountpoint: Path, payload: dict[str, Any], timeout: float | None = 30) -> dict[str, Any]:
+def request(
+    mountpoint: Path, payload: dict[str, Any], timeout: float | None = 30
+) -> dict[str, Any]:
     sock_path, _, _ = run_files(run_dir(), mountpoint)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
@@ -68,7 +70,9 @@ def request(mountpoint: Path, payload: dict[str, Any], timeout: float | None = 3
                     break
                 data += piece
         except TimeoutError:
-            raise ControlError(f"the ckptfs daemon for {mountpoint} did not answer in time") from None
+            raise ControlError(
+                f"the ckptfs daemon for {mountpoint} did not answer in time"
+            ) from None
     if not data:
         raise ControlError(f"the ckptfs daemon for {mountpoint} closed the connection")
     return json.loads(data)

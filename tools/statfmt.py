@@ -40,6 +40,8 @@ def format_stat(s: dict[str, Any]) -> str:
     if s.get("history"):
         lines.append("recent checkpoints (close s / durable s after close / MB/s):")
         for h in s["history"][-5:]:
-            lines.append(f"  {h['time']}  {h['path']}  {human(h['size'])}  "
-                         f"{h['close_s']} / {h['durable_s']} / {h['throughput_MBps']}")
+            lines.append(
+                f"  {h['time']}  {h['path']}  {human(h['size'])}  "
+                f"{h['close_s']} / {h['durable_s']} / {h['throughput_MBps']}"
+            )
     return "\n".join(lines)

@@ -11,7 +11,7 @@
 # node so that an operator recovers the cache before the node runs another job.
 set -u -o pipefail
 
-# shellcheck source=slurm-common.sh
+# shellcheck source=SCRIPTDIR/slurm-common.sh
 . "$(dirname -- "$(realpath -- "$0")")/slurm-common.sh" || exit 1
 
 cache_has_data() {

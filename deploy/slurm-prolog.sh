@@ -13,7 +13,7 @@
 # node and requeues the job instead of letting it write into a plain directory.
 set -u -o pipefail
 
-# shellcheck source=slurm-common.sh
+# shellcheck source=SCRIPTDIR/slurm-common.sh
 . "$(dirname -- "$(realpath -- "$0")")/slurm-common.sh" || exit 1
 
 prepare_dirs() {

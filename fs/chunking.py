@@ -105,13 +105,14 @@ class _Reader:
         self._buf = b""
         self._buf_off = 0
 
-    def read(self, offset: int, length: int) -> bytes:
+    def read(self, offset: int, length: int, ahead: int = READ_WINDOW) -> bytes:
+        """``length`` bytes at ``offset``; on a miss, read ``ahead`` bytes into the window."""
         if offset < 0 or length < 0 or offset + length > self.size:
             raise _Malformed(f"read of {length} bytes at {offset} is outside the file")
         rel = offset - self._buf_off
         if 0 <= rel and rel + length <= len(self._buf):
             return self._buf[rel : rel + length]
-        want = max(length, min(READ_WINDOW, self.size - offset))
+        want = max(length, min(ahead, self.size - offset))
         data = bytes(self.read_at(offset, want))
         if len(data) < length:
             raise _Malformed(f"short read at {offset}")
@@ -150,11 +151,8 @@ def _tile(
         run_start = run_end
 
     for start, end in pairwise(points):
-        if start in large_starts:
-            flush_run()
-            ranges.extend(fixed_chunks(start, end, chunk_size))
-            run_start = run_end = end
-        elif end - start >= chunk_size:
+        if start in large_starts or end - start >= chunk_size:
+            # A large entry, or a header too big to pack: cut from its own start.
             flush_run()
             ranges.extend(fixed_chunks(start, end, chunk_size))
             run_start = run_end = end
@@ -205,10 +203,17 @@ def _parse_zip(r: _Reader) -> tuple[str, list[_Region], set[int]] | None:
     regions: list[_Region] = []
     cuts = {cd_off}
     prev_end = 0
-    for e in entries:
+    header_ends = [e.header_offset + _LOCAL.size for e in entries]
+    last = 0  # the furthest local header that fits one window from the current one
+    for i, e in enumerate(entries):
         if e.header_offset < prev_end:
             raise _Malformed(f"zip entry {e.name!r} overlaps the previous one")
-        start = _data_start(r, e)
+        # Read ahead through the following local headers that are near, and
+        # no further: the window must not drag a large tensor's data in.
+        last = max(last, i)
+        while last + 1 < len(entries) and header_ends[last + 1] - e.header_offset <= READ_WINDOW:
+            last += 1
+        start = _data_start(r, e, header_ends[last] - e.header_offset)
         end = start + e.compressed_size
         if end > cd_off:
             raise _Malformed(f"zip entry {e.name!r} runs into the central directory")
@@ -305,10 +310,10 @@ def _apply_zip64_extra(
     return csize, header_offset
 
 
-def _data_start(r: _Reader, e: _ZipEntry) -> int:
+def _data_start(r: _Reader, e: _ZipEntry, ahead: int) -> int:
     # The local header's extra field differs from the central one (torch pads
     # it to align tensor data), so only the local header says where data starts.
-    fields = _LOCAL.unpack(r.read(e.header_offset, _LOCAL.size))
+    fields = _LOCAL.unpack(r.read(e.header_offset, _LOCAL.size, ahead))
     if fields[0] != _LOCAL_SIG:
         raise _Malformed(f"zip entry {e.name!r} has no local header at {e.header_offset}")
     return e.header_offset + _LOCAL.size + fields[9] + fields[10]
@@ -343,7 +348,7 @@ def _parse_safetensors(r: _Reader) -> tuple[str, list[_Region], set[int]] | None
         if not 0 <= begin <= end or data_start + end > r.size:
             raise _Malformed(f"tensor {name!r} lies outside the file")
         regions.append(_Region(data_start + begin, data_start + end))
-    regions.sort(key=lambda g: g.start)
+    regions.sort(key=lambda g: (g.start, g.end))
     for a, b in pairwise(regions):
         if b.start < a.end:
             raise _Malformed("safetensors tensors overlap")

@@ -86,6 +86,7 @@ class Config:
     flush_bandwidth: int = 0  # bytes/s, 0 = unlimited
     chunk_size: int = 4 << 20
     writeback_cache: bool = True
+    direct_writes: bool = True
     fuse_workers: int = 16
     backing_timeout: float = 120.0
     run_dir: Path = Path("/run/ckptfs")
@@ -165,6 +166,7 @@ SCHEMA: dict[str, tuple[str, Any]] = {
     "chunk_size": ("chunk_size", _chunk_size),
     "fuse.writeback_cache": ("writeback_cache", parse_bool),
     "fuse.workers": ("fuse_workers", lambda v, k: parse_int(v, k, minimum=1)),
+    "fuse.direct_writes": ("direct_writes", parse_bool),
     "backing_timeout": ("backing_timeout", _timeout),
     "run_dir": ("run_dir", _path),
     "log": ("log_file", _path),

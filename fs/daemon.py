@@ -79,7 +79,7 @@ class Daemon:
     # ----- lifecycle ----------------------------------------------------------
     async def run(self) -> None:
         self._recover()
-        ops = Operations(self.fs, self.config.writeback_cache)
+        ops = Operations(self.fs, self.config.writeback_cache, self.config.direct_writes)
         options = set(pyfuse3.default_options) | {"fsname=ckptfs", "subtype=ckptfs", "allow_other"}
         pyfuse3.init(ops, str(self.mountpoint), options)
         clean = False

@@ -73,10 +73,14 @@ def entry(attr: Attr) -> pyfuse3.EntryAttributes:
 
 
 class Operations(pyfuse3.Operations):
-    def __init__(self, fs: FileSystem, writeback_cache: bool) -> None:
+    def __init__(self, fs: FileSystem, writeback_cache: bool, direct_writes: bool = True) -> None:
         super().__init__()
         self.fs = fs
         self.enable_writeback_cache = writeback_cache
+        self.direct_writes = direct_writes
+
+    def _direct(self, flags: int) -> bool:
+        return self.direct_writes and (flags & os.O_ACCMODE) == os.O_WRONLY
 
     @handler
     async def lookup(self, parent: int, name: bytes, ctx: Any = None) -> pyfuse3.EntryAttributes:
@@ -161,12 +165,12 @@ class Operations(pyfuse3.Operations):
         self, parent: int, name: bytes, mode: int, flags: int, ctx: Any
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         fh, attr = await self.fs.create(parent, _name(name), mode, flags, ctx.uid, ctx.gid)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True), entry(attr)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=self._direct(flags)), entry(attr)
 
     @handler
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
         fh, keep = await self.fs.open(inode, flags)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep, direct_io=self._direct(flags))
 
     @handler
     async def read(self, fh: int, off: int, size: int) -> bytes:

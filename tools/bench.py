@@ -13,6 +13,15 @@ Mounts ckptfs itself through the CLI (backing directory on local disk under
   left it), with the kernel page cache dropped, cold (``ckptfs evict`` plus page
   cache dropped), from tmpfs, and from the disk with its page cache dropped.
 
+Before the runs it touches and frees most of the free RAM, then does one untimed
+run of every target; each run takes the targets (mount, tmpfs, disk) in a
+rotated order, and every timed step is preceded by touching and freeing
+--rewarm-gib of memory. On a VM, memory that was never touched, or that the
+guest handed back to the host (virtio-balloon free page reporting does so
+seconds after it is freed), costs a host fault on first touch, several times
+slower than recycled pages: without this, whichever step allocates such pages
+first (a load's tensors, the tmpfs pages) looks several times slower.
+
 Every load opens a new fd (torch.load(path)) and is checked against the saved
 state outside the timed part. Every run saves different bytes, so that dedup
 does not flatter runs after the first. It prints measured numbers; it asserts
@@ -47,6 +56,8 @@ VOCAB = 50304
 CONTEXT = 2048
 N_LAYER = 24
 CLI_TIMEOUT = 120.0
+WARM_CHUNK = 256 * MIB
+TARGETS = ("mount", "tmpfs", "disk")
 
 
 class BenchError(Exception):
@@ -169,12 +180,22 @@ def daemon_log(layout: Layout) -> list[Path]:
 # ----- memory -------------------------------------------------------------------------
 
 
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes."""
+    values: dict[str, int] = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            fields = rest.split()
+            if fields and fields[0].isdigit():
+                values[name] = int(fields[0]) * (1024 if fields[1:] == ["kB"] else 1)
+    if "MemAvailable" not in values or "MemFree" not in values:
+        raise BenchError("/proc/meminfo has no MemAvailable or MemFree line")
+    return values
+
+
 def available_memory() -> int:
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise BenchError("/proc/meminfo has no MemAvailable line")
+    return meminfo()["MemAvailable"]
 
 
 def check_memory(size: int, cache_size: int) -> None:
@@ -189,17 +210,135 @@ def check_memory(size: int, cache_size: int) -> None:
         )
 
 
-def warm_memory(directory: Path, size: int) -> float:
-    """Write and delete ``size`` bytes in tmpfs, so the first timed save does not
-    pay for the kernel handing out fresh pages; returns the seconds it took."""
-    path = directory / "warmup"
-    block = b"\xa5" * (64 * MIB)
+def safety_margin() -> int:
+    """Memory the warm-up never touches: there is no swap to fall back on, and
+    other processes on the machine keep allocating while it runs."""
+    return max(GIB, meminfo()["MemTotal"] // 16)
+
+
+def touch_memory(want: int, margin: int) -> tuple[int, float]:
+    """Write to up to ``want`` bytes of new anonymous memory, hold it all, then free it.
+
+    Returns (bytes touched, seconds). All chunks are held until the end so that
+    they occupy distinct physical pages; freeing them puts those pages, now
+    backed by the hypervisor, at the head of the kernel's free lists, where the
+    next allocations (a load's tensors, page cache, tmpfs pages) take them
+    from. It stops early rather than let MemFree fall below ``margin``: going
+    further would only make the kernel reclaim page cache (already-backed pages,
+    and maybe a file a later measurement expects to find cached).
+    """
+    chunks: list[torch.Tensor] = []
+    touched = 0
     start = time.perf_counter()
-    with open(path, "wb") as out:
-        for offset in range(0, size, len(block)):
-            out.write(block[: min(len(block), size - offset)])
-    path.unlink()
-    return time.perf_counter() - start
+    try:
+        while touched < want:
+            n = min(WARM_CHUNK, want - touched)
+            if meminfo()["MemFree"] - n < margin:
+                break
+            chunk = torch.empty(n, dtype=torch.uint8)
+            chunk.fill_(0xA5)
+            chunks.append(chunk)
+            touched += n
+    finally:
+        chunks.clear()
+    return touched, time.perf_counter() - start
+
+
+def warm_memory(size: int) -> list[str]:
+    """The one-off warm-up before any measurement; returns lines for the report.
+
+    Touches most of the free RAM, leaving room for what the runs still allocate
+    (the ckptfs cache and the state dict are resident already: the tmpfs copy,
+    one loaded copy and the page cache of the file being read) plus a margin.
+    """
+    info = meminfo()
+    margin = safety_margin()
+    reserve = 3 * size + margin
+    want = max(0, min(info["MemAvailable"] - reserve, info["MemFree"] - margin))
+    print(
+        f"warming memory: touching and freeing {want / GIB:.2f} GiB of anonymous memory "
+        f"(MemAvailable {info['MemAvailable'] / GIB:.2f} GiB, MemFree "
+        f"{info['MemFree'] / GIB:.2f} GiB, left alone {reserve / GIB:.2f} GiB) ..."
+    )
+    touched, seconds = touch_memory(want, margin)
+    rate = f", {touched / 1e9 / seconds:.2f} GB/s" if touched and seconds else ""
+    print(f"  touched {touched / GIB:.2f} GiB in {seconds:.2f}s{rate}")
+    lines = [
+        f"memory warm-up: touched and freed {touched / GIB:.2f} GiB of anonymous memory in "
+        f"{seconds:.2f}s{rate} (MemAvailable {info['MemAvailable'] / GIB:.2f} GiB minus "
+        f"{reserve / GIB:.2f} GiB for the tmpfs copy, a loaded copy, page cache and a "
+        f"{margin / GIB:.2f} GiB margin), then one untimed run of every target"
+    ]
+    reporting = page_reporting()
+    if reporting:
+        lines.append(reporting)
+    return lines
+
+
+def page_reporting() -> str:
+    """Describe virtio-balloon free page reporting, if this VM has it on.
+
+    With it, the guest hands free blocks back to the hypervisor within seconds,
+    and touching them again costs a first-touch fault on the host: pages warmed
+    long before a measurement do not stay warm.
+    """
+    order_file = Path("/sys/module/page_reporting/parameters/page_reporting_order")
+    try:
+        order = int(order_file.read_text())
+    except (OSError, ValueError):
+        return ""
+    for dev in Path("/sys/bus/virtio/devices").glob("*"):
+        try:
+            driver = (dev / "driver").resolve().name
+            features = (dev / "features").read_text().strip()
+        except OSError:
+            continue
+        if driver == "virtio_balloon" and len(features) > 5 and features[5] == "1":
+            block = (os.sysconf("SC_PAGE_SIZE") << order) >> 20
+            return (
+                f"virtio-balloon free page reporting is on (free blocks of {block} MiB go back "
+                "to the host a few seconds after they are freed): every timed step is "
+                "preceded by touching and freeing memory again"
+            )
+    return ""
+
+
+class Rewarm:
+    """Touch and free ``size`` bytes right before each timed step.
+
+    The one-off warm-up decays: with free page reporting the VM hands freed
+    memory back to the host in the background, and other steps (polling for
+    durability, dropping caches) take seconds. Re-touching just before the clock
+    starts gives every target the same kind of pages: no target pays for the
+    host's first-touch faults because of where it sits in the run.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.margin = safety_margin()
+        self.seconds: list[float] = []
+        self.short: list[int] = []  # bytes touched when MemFree did not allow ``size``
+
+    def __call__(self) -> None:
+        if self.size <= 0:
+            return
+        touched, seconds = touch_memory(self.size, self.margin)
+        self.seconds.append(seconds)
+        if touched < self.size:
+            self.short.append(touched)
+
+    def describe(self) -> str:
+        if self.size <= 0:
+            return "no memory re-touch before the timed steps (--rewarm-gib 0)"
+        line = (
+            f"before every timed step: touched and freed {self.size / GIB:.2f} GiB "
+            f"(median {statistics.median(self.seconds or [0.0]):.2f}s, untimed)"
+        )
+        if self.short:
+            line += (
+                f"; {len(self.short)} time(s) MemFree allowed only {min(self.short) / GIB:.2f} GiB"
+            )
+        return line
 
 
 def drop_page_cache(path: Path) -> str:
@@ -285,11 +424,20 @@ def same_state(expected: dict[str, torch.Tensor], actual: Any) -> bool:
 
 @dataclass
 class Run:
+    order: tuple[str, ...] = ()
     file_size: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
     poll_s: float = 0.0  # how long one `ckptfs stat` poll took: the durable time's resolution
     page_cache_drop: str = ""
     notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Bench:
+    layout: Layout
+    sd: dict[str, torch.Tensor]
+    durable_timeout: float
+    rewarm: Rewarm
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -320,10 +468,13 @@ def save_fsync(sd: dict[str, torch.Tensor], path: Path) -> None:
         os.close(dfd)
 
 
-def load_checked(sd: dict[str, torch.Tensor], path: Path, what: str) -> float:
+def load_checked(
+    sd: dict[str, torch.Tensor], path: Path, what: str, prepare: Callable[[], None]
+) -> float:
+    prepare()
     try:
         seconds, loaded = timed(lambda: torch.load(path, weights_only=True))
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:  # a damaged zip archive raises RuntimeError
         raise BenchError(f"{what}: torch.load of {path} failed: {exc}") from None
     ok = same_state(sd, loaded)
     del loaded
@@ -345,7 +496,9 @@ def wait_durable(layout: Layout, path: Path, timeout: float) -> tuple[float, flo
         poll_start = time.perf_counter()
         entry = file_entry(stat_json(layout, path), layout, path)
         polls.append(time.perf_counter() - poll_start)
-        state = entry.get("state") if entry else None
+        if entry is None:
+            raise BenchError(f"`ckptfs stat --json {path}` does not list the file")
+        state = entry.get("state")
         if state == "durable":
             return time.perf_counter() - start, statistics.median(polls)
         if state == "lost":
@@ -361,35 +514,63 @@ def evict(layout: Layout, path: Path) -> str:
     return f"evict left {left >> 20} MiB of the file in the ckptfs cache" if left else ""
 
 
-def one_run(layout: Layout, sd: dict[str, torch.Tensor], index: int, timeout: float) -> Run:
-    run = Run()
-    s = run.seconds
-    mnt_dir = layout.mountpoint / f"run-{index}"
+def run_mount(bench: Bench, run: Run, tag: str) -> None:
+    layout, sd, s, prepare = bench.layout, bench.sd, run.seconds, bench.rewarm
+    mnt_dir = layout.mountpoint / tag
     mnt_dir.mkdir()
     mnt_file = mnt_dir / "model.pt"
+    prepare()
     s["save mount"], _ = timed(lambda: save(sd, mnt_file, "mount"))
-    s["close -> durable"], run.poll_s = wait_durable(layout, mnt_file, timeout)
-    s["load mount warm"] = load_checked(sd, mnt_file, "mount warm")
+    s["close -> durable"], run.poll_s = wait_durable(layout, mnt_file, bench.durable_timeout)
+    s["load mount warm"] = load_checked(sd, mnt_file, "mount warm", prepare)
     run.page_cache_drop = drop_page_cache(mnt_file)
-    s["load mount, page cache dropped"] = load_checked(sd, mnt_file, "mount page cache dropped")
+    s["load mount, page cache dropped"] = load_checked(
+        sd, mnt_file, "mount page cache dropped", prepare
+    )
     note = evict(layout, mnt_file)
     drop_page_cache(mnt_file)
-    s["load mount cold"] = load_checked(sd, mnt_file, "mount cold")
+    s["load mount cold"] = load_checked(sd, mnt_file, "mount cold", prepare)
     run.notes += [note] if note else []
+    shutil.rmtree(mnt_dir)  # frees the cache for the next run
 
-    tmpfs_file = layout.tmpfs / "model.pt"
+
+def run_tmpfs(bench: Bench, run: Run, tag: str) -> None:
+    sd, s, prepare = bench.sd, run.seconds, bench.rewarm
+    tmpfs_file = bench.layout.tmpfs / f"{tag}.pt"
+    prepare()
     s["save tmpfs"], _ = timed(lambda: save(sd, tmpfs_file, "tmpfs"))
-    s["load tmpfs"] = load_checked(sd, tmpfs_file, "tmpfs")
+    s["load tmpfs"] = load_checked(sd, tmpfs_file, "tmpfs", prepare)
     run.file_size = tmpfs_file.stat().st_size
     tmpfs_file.unlink()
 
-    disk_file = layout.disk / "model.pt"
+
+def run_disk(bench: Bench, run: Run, tag: str) -> None:
+    sd, s, prepare = bench.sd, run.seconds, bench.rewarm
+    disk_file = bench.layout.disk / f"{tag}.pt"
+    prepare()
     s["save disk + fsync"], _ = timed(lambda: save_fsync(sd, disk_file))
     drop_page_cache(disk_file)
-    s["load disk cold"] = load_checked(sd, disk_file, "disk cold")
+    s["load disk cold"] = load_checked(sd, disk_file, "disk cold", prepare)
     disk_file.unlink()
 
-    shutil.rmtree(mnt_dir)  # frees the cache for the next run
+
+RUNNERS: dict[str, Callable[[Bench, Run, str], None]] = {
+    "mount": run_mount,
+    "tmpfs": run_tmpfs,
+    "disk": run_disk,
+}
+
+
+def run_order(index: int) -> tuple[str, ...]:
+    """Rotate the targets: with as many runs as targets, each goes first once."""
+    shift = index % len(TARGETS)
+    return TARGETS[shift:] + TARGETS[:shift]
+
+
+def one_run(bench: Bench, tag: str, order: tuple[str, ...]) -> Run:
+    run = Run(order=order)
+    for target in order:
+        RUNNERS[target](bench, run, tag)
     return run
 
 
@@ -467,7 +648,9 @@ def print_report(runs: list[Run], size: int, context: list[str]) -> None:
         print(f"| {label} | {med[num] / med[den]:.2f} |")
 
 
-def context(runs: list[Run], layout: Layout, durability: str) -> list[str]:
+def context(
+    runs: list[Run], layout: Layout, durability: str, warmup: list[str], rewarm: Rewarm
+) -> list[str]:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     poll = statistics.median(r.poll_s for r in runs)
     return [
@@ -478,6 +661,9 @@ def context(runs: list[Run], layout: Layout, durability: str) -> list[str]:
         f"ckptfs: durability {durability}, backing dir {layout.backing}, cache in {layout.cache}",
         f"durable time seen by polling `ckptfs stat --json` (one poll: {poll:.3f}s); "
         f"page cache dropped with {runs[0].page_cache_drop}; every load opens a new fd",
+        *warmup,
+        rewarm.describe(),
+        "target order per run: " + "; ".join(", ".join(r.order) for r in runs),
         "GB/s = file size / time (10^9 bytes); ratios are time ratios, below 1 = ckptfs faster",
     ]
 
@@ -500,10 +686,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", help="ckptfs YAML config for the mount")
     p.add_argument("--cache-size", help="ckptfs cache size (default: 1.5 x size + 256MiB)")
     p.add_argument("--durable-timeout", type=float, default=900.0, help="seconds (default 900)")
+    p.add_argument(
+        "--rewarm-gib",
+        type=float,
+        help="memory to touch and free right before every timed step "
+        "(default: 2 x the state dict; 0 turns it off)",
+    )
     p.add_argument("--keep", action="store_true", help="keep --workdir's files afterwards")
     args = p.parse_args(argv)
     if args.size_gib <= 0 or args.runs < 1:
         p.error("--size-gib must be > 0 and --runs >= 1")
+    if args.rewarm_gib is not None and args.rewarm_gib < 0:
+        p.error("--rewarm-gib must be >= 0")
     return args
 
 
@@ -513,8 +707,6 @@ def benchmark(args: argparse.Namespace, layout: Layout) -> None:
     cache_size = args.cache_size or str(int(1.5 * size) + 256 * MIB)
     check_memory(size, parse_size(cache_size, "--cache-size", allow_percent=True))
 
-    print(f"warming memory: writing and deleting {size / GIB:.2f} GiB in {layout.tmpfs} ...")
-    print(f"  done in {warm_memory(layout.tmpfs, size):.2f}s")
     seconds, sd = timed(lambda: build_state_dict(size))
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     print(f"built a {nbytes / GIB:.2f} GiB state dict with {len(sd)} tensors in {seconds:.1f}s")
@@ -525,20 +717,30 @@ def benchmark(args: argparse.Namespace, layout: Layout) -> None:
         f"mounted; cache of {status['cache']['capacity'] >> 20} MiB pre-faulted ({prefault:.1f}s)"
     )
 
+    # Warm up after the state dict and the cache exist, so that the pages it
+    # touches are the free ones the runs will draw from.
+    warmup = warm_memory(size)
+    rewarm_size = int((2 * size) if args.rewarm_gib is None else args.rewarm_gib * GIB)
+    bench = Bench(layout, sd, args.durable_timeout, Rewarm(rewarm_size))
+    print("untimed warm-up run: one save and the loads of every target ...")
+    seconds, _ = timed(lambda: one_run(bench, "warmup", TARGETS))
+    print(f"  done in {seconds:.1f}s")
+
     runs: list[Run] = []
     for i in range(args.runs):
-        if i:
-            perturb(sd)
-        run = one_run(layout, sd, i, args.durable_timeout)
+        perturb(sd)  # new bytes: no run is flattered by dedup against the one before
+        run = one_run(bench, f"run-{i}", run_order(i))
         runs.append(run)
         times = ", ".join(f"{k} {v:.3f}s" for k, v in run.seconds.items())
-        print(f"run {i + 1}/{args.runs}: {times}")
+        print(f"run {i + 1}/{args.runs} ({', '.join(run.order)}): {times}")
         for note in run.notes:
             print(f"  {note}")
-    print_report(runs, runs[0].file_size, context(runs, layout, status["durability"]))
+    report_context = context(runs, layout, status["durability"], warmup, bench.rewarm)
+    print_report(runs, runs[0].file_size, report_context)
 
 
 def cleanup(layout: Layout, keep: bool) -> None:
+    """Unmount, free the RAM, and remove the files; the daemon's log in run/ stays."""
     unmount(layout)
     for d in (layout.tmpfs, layout.cache):
         shutil.rmtree(d, ignore_errors=True)
@@ -564,6 +766,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"bench: daemon log: {log}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        print("bench: interrupted; unmounting and cleaning up", file=sys.stderr)
         return 130
     finally:
         if layout is not None:

@@ -1,0 +1,186 @@
+"""``ckptfs export``: turn manifests back into plain files, offline.
+
+Reads the backing directory directly (no daemon): a manifest is reassembled
+from its chunks, each verified against its hash; a plain file is copied; a
+directory is recursed. Every destination file is written under a temporary
+name and renamed into place, so a failure never leaves a partial file.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+from ..fs.chunkstore import CKPTFS_DIR, ChunkCorrupt, ChunkStore
+from ..fs.manifest import Manifest, ManifestError, read_manifest, tmp_name_for
+from .walk import Problem, chunk_problem, find_backing_root, skipped_name
+
+
+@dataclass
+class ExportResult:
+    files: list[Path] = field(default_factory=list)  # destination files written
+    bytes: int = 0
+    skipped: list[Path] = field(default_factory=list)  # sources neither file, dir nor symlink
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+class _Failed(Exception):
+    def __init__(self, problem: Problem) -> None:
+        super().__init__(str(problem))
+        self.problem = problem
+
+
+def export(src: Path, dst: Path, *, backing: Path | None = None) -> ExportResult:
+    """Write plain, byte-identical copies of ``src`` (a file or tree) to ``dst``.
+
+    ``backing`` is the backing directory holding the chunk store; by default
+    the nearest one above ``src``. A file that cannot be exported (pending,
+    unreadable, a chunk missing or corrupted) is reported in ``problems``
+    and the others are still exported. As with ``cp -r``, a file exported
+    into an existing directory keeps its name.
+    """
+    src, dst = Path(src), Path(dst)
+    st = os.lstat(src)  # FileNotFoundError names src
+    root = backing if backing is not None else find_backing_root(src)
+    store = ChunkStore(root) if root is not None else None
+    if root is not None and _is_within(src, Path(root) / CKPTFS_DIR):
+        raise ValueError(f"{src} is inside the chunk store, not the namespace")
+    result = ExportResult()
+    if stat.S_ISDIR(st.st_mode):
+        if _is_within(dst, src):
+            raise ValueError(f"destination {dst} is inside the source tree {src}")
+        _export_dir(src, dst, store, result)
+    else:
+        if dst.is_dir():
+            dst = dst / src.name
+        _export_one(src, st, dst, store, result)
+    return result
+
+
+def _is_within(path: Path, parent: Path) -> bool:
+    a, b = os.path.realpath(path), os.path.realpath(parent)
+    return os.path.commonpath([a, b]) == b
+
+
+def _export_dir(src: Path, dst: Path, store: ChunkStore | None, result: ExportResult) -> None:
+    try:
+        dst.mkdir(parents=True, exist_ok=True)
+        with os.scandir(src) as it:
+            names = sorted(e.name for e in it)
+    except OSError as exc:
+        result.problems.append(Problem(src, f"cannot export directory: {exc.strerror or exc}"))
+        return
+    for name in names:
+        if skipped_name(name):
+            continue
+        path = src / name
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue  # removed meanwhile
+        if stat.S_ISDIR(st.st_mode):
+            _export_dir(path, dst / name, store, result)
+        else:
+            _export_one(path, st, dst / name, store, result)
+    try:
+        shutil.copystat(src, dst, follow_symlinks=False)
+    except OSError:
+        pass  # the files are what matters; a directory's mtime is cosmetic
+
+
+def _export_one(
+    src: Path, st: os.stat_result, dst: Path, store: ChunkStore | None, result: ExportResult
+) -> None:
+    try:
+        if stat.S_ISLNK(st.st_mode):
+            _replace_symlink(os.readlink(src), dst)
+            result.files.append(dst)
+        elif stat.S_ISREG(st.st_mode):
+            result.bytes += _export_file(src, dst, store)
+            result.files.append(dst)
+        else:
+            result.skipped.append(src)
+    except _Failed as exc:
+        result.problems.append(exc.problem)
+    except OSError as exc:
+        result.problems.append(Problem(src, f"cannot export to {dst}: {exc.strerror or exc}"))
+
+
+def _export_file(src: Path, dst: Path, store: ChunkStore | None) -> int:
+    try:
+        manifest = read_manifest(src)
+    except ManifestError as exc:
+        raise _Failed(Problem(src, f"unreadable manifest ({exc})")) from None
+    if manifest is None:
+        st = os.stat(src)
+        with open(src, "rb") as f:
+            return _write_atomically(
+                dst, lambda out: shutil.copyfileobj(f, out), st.st_mode, st.st_mtime_ns
+            )
+    if manifest.state != "durable":
+        holders = ", ".join(manifest.holders) or "no node"
+        raise _Failed(
+            Problem(
+                src,
+                f"not durable yet (state {manifest.state}): its bytes are only in the RAM of "
+                f"{holders}; run `ckptfs flush --wait` on the mount first",
+            )
+        )
+    if store is None:
+        raise _Failed(Problem(src, "is a manifest but no .ckptfs chunk store was found above it"))
+    return _write_atomically(
+        dst, lambda out: _reassemble(manifest, store, src, out), manifest.mode, manifest.mtime_ns
+    )
+
+
+def _reassemble(manifest: Manifest, store: ChunkStore, src: Path, out: BinaryIO) -> None:
+    for chunk in manifest.chunks:
+        try:
+            data = store.get(chunk.hash, chunk.length)
+        except ChunkCorrupt as exc:
+            raise _Failed(Problem(src, chunk_problem(exc, chunk.hash), chunk=chunk.hash)) from None
+        except OSError as exc:
+            where = store.path_for(chunk.hash)
+            raise _Failed(
+                Problem(src, f"cannot read {where}: {exc.strerror or exc}", chunk=chunk.hash)
+            ) from None
+        out.write(data)
+
+
+def _write_atomically(
+    dst: Path, fill: Callable[[BinaryIO], object], mode: int, mtime_ns: int
+) -> int:
+    """Write ``dst`` through a temporary name; return its size."""
+    tmp = tmp_name_for(dst)  # hidden by ckptfs and the offline tools if left behind
+    try:
+        with open(tmp, "xb") as out:
+            fill(out)
+            out.flush()
+            size = out.tell()
+            os.fchmod(out.fileno(), mode & 0o7777)
+            os.fsync(out.fileno())
+        os.utime(tmp, ns=(mtime_ns, mtime_ns))
+        os.rename(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return size
+
+
+def _replace_symlink(target: str, dst: Path) -> None:
+    tmp = tmp_name_for(dst)
+    os.symlink(target, tmp)
+    try:
+        os.rename(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

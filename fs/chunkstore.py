@@ -36,10 +36,23 @@ class ChunkStore:
     def exists(self, digest: str) -> bool:
         return self.path_for(digest).exists()
 
+    def touch(self, digest: str) -> bool:
+        """Mark an existing chunk as reused now; False if there is none.
+
+        ``ckptfs gc`` only removes chunks whose mtime is older than its grace
+        period and re-checks the mtime just before removing, so a writer that
+        dedups against an old unreferenced chunk keeps it alive this way.
+        """
+        try:
+            os.utime(self.path_for(digest))
+        except FileNotFoundError:
+            return False
+        return True
+
     def put(self, digest: str, data: bytes | memoryview) -> int:
         """Store ``data`` under ``digest`` unless present; return bytes written."""
         final = self.path_for(digest)
-        if final.exists():
+        if self.touch(digest):
             return 0
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.with_name(f"{digest}.tmp.{secrets.token_hex(4)}")

@@ -93,6 +93,9 @@ class Config:
     log_file: Path | None = None
     history_file: Path | None = None
     peers: dict[str, Any] = field(default_factory=dict)
+    retention_keep_last: int = 0  # 0 = retention off
+    retention_pattern: str = "checkpoint-*"
+    retention_audit_log: Path | None = None
 
     def __post_init__(self) -> None:
         if not self.cache_size:
@@ -140,6 +143,15 @@ def _peers(value: Any, key: str) -> dict[str, Any]:
     return dict(value)
 
 
+def _pattern(value: Any, key: str) -> str:
+    text = str(value)
+    if not text or "/" in text:
+        raise ConfigError(
+            key, f"expected a glob for directory names like checkpoint-*, got {value!r}"
+        )
+    return text
+
+
 def _chunk_size(value: Any, key: str) -> int:
     size = parse_size(value, key)
     if not (64 << 10) <= size <= (256 << 20):
@@ -172,6 +184,9 @@ SCHEMA: dict[str, tuple[str, Any]] = {
     "log": ("log_file", _path),
     "history": ("history_file", _path),
     "peers": ("peers", _peers),
+    "retention.keep_last": ("retention_keep_last", parse_int),
+    "retention.pattern": ("retention_pattern", lambda v, k: _pattern(v, k)),
+    "retention.audit_log": ("retention_audit_log", _path),
 }
 _SECTIONS = {key.split(".")[0] for key in SCHEMA if "." in key}
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import faulthandler
+import fnmatch
 import logging
 import os
 import shutil
@@ -38,6 +39,7 @@ from .journal import Journal
 from .manifest import Manifest, read_manifest
 from .operations import Operations
 from .preflight import mount_id, run_files
+from .retention import apply_retention
 
 log = logging.getLogger("ckptfs.daemon")
 HISTORY_FIELDS = ["time", "path", "size", "close_s", "mirrored_s", "durable_s", "throughput_MBps"]
@@ -240,6 +242,34 @@ class Daemon:
             await self.io.run(self._append_history, record, what="history")
         except OSError as exc:
             log.warning("could not append to history %s: %s", self.history_path, exc)
+        await self._retention(f.path)
+
+    async def _retention(self, path: str) -> None:
+        """After a file in a checkpoint directory is durable, prune older ones."""
+        keep = self.config.retention_keep_last
+        parts = path.split("/")
+        hits = [
+            i
+            for i, part in enumerate(parts[:-1])
+            if fnmatch.fnmatchcase(part, self.config.retention_pattern)
+        ]
+        if not keep or not hits:
+            return
+        root = self.backing_root.joinpath(*parts[: hits[-1]])
+        audit = self.config.retention_audit_log or (
+            self.backing_root / CKPTFS_DIR / "retention.log"
+        )
+        try:
+            await self.io.run(
+                apply_retention,
+                root,
+                self.config.retention_pattern,
+                keep,
+                audit,
+                what=f"retention under {root}",
+            )
+        except OSError as exc:
+            log.error("retention under %s failed: %s", root, exc)
 
     def _append_history(self, record: dict[str, Any]) -> None:
         self.history_path.parent.mkdir(parents=True, exist_ok=True)

@@ -187,7 +187,7 @@ class Flusher:
             data, digest, hash_time = await trio.to_thread.run_sync(read_and_hash)
             self.bytes_hashed += length
             self.hash_seconds += hash_time
-            if await self.io.run(self.cache.store.exists, digest, what=f"flush of {f.path}"):
+            if await self.io.run(self.cache.store.touch, digest, what=f"flush of {f.path}"):
                 self.bytes_deduped += length
             else:
                 await self.bandwidth.acquire(length)

@@ -12,11 +12,11 @@ import pytest
 from ckptfs.fs.chunking import plan_chunks
 from ckptfs.fs.chunkstore import CKPTFS_DIR, ChunkStore, chunk_hash
 from ckptfs.fs.manifest import MAGIC, Chunk, Manifest, new_id, tmp_name_for, write_manifest
+from ckptfs.fs.retention import apply_retention
 from ckptfs.tools import gc as gc_module
 from ckptfs.tools.check import check
 from ckptfs.tools.export import export
 from ckptfs.tools.gc import collect_garbage
-from ckptfs.tools.retention import apply_retention
 
 torch = pytest.importorskip("torch")
 

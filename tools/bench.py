@@ -244,7 +244,7 @@ def touch_memory(want: int, margin: int) -> tuple[int, float]:
     return touched, time.perf_counter() - start
 
 
-def warm_memory(size: int) -> list[str]:
+def warm_memory(size: int, limit: int | None) -> list[str]:
     """The one-off warm-up before any measurement; returns lines for the report.
 
     Touches most of the free RAM, leaving room for what the runs still allocate
@@ -255,6 +255,8 @@ def warm_memory(size: int) -> list[str]:
     margin = safety_margin()
     reserve = 3 * size + margin
     want = max(0, min(info["MemAvailable"] - reserve, info["MemFree"] - margin))
+    if limit is not None:
+        want = min(want, limit)
     print(
         f"warming memory: touching and freeing {want / GIB:.2f} GiB of anonymous memory "
         f"(MemAvailable {info['MemAvailable'] / GIB:.2f} GiB, MemFree "
@@ -687,6 +689,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cache-size", help="ckptfs cache size (default: 1.5 x size + 256MiB)")
     p.add_argument("--durable-timeout", type=float, default=900.0, help="seconds (default 900)")
     p.add_argument(
+        "--warm-gib",
+        type=float,
+        help="cap on the one-off warm-up before the runs "
+        "(default: the free RAM minus room for the runs and a margin)",
+    )
+    p.add_argument(
         "--rewarm-gib",
         type=float,
         help="memory to touch and free right before every timed step "
@@ -696,8 +704,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.size_gib <= 0 or args.runs < 1:
         p.error("--size-gib must be > 0 and --runs >= 1")
-    if args.rewarm_gib is not None and args.rewarm_gib < 0:
-        p.error("--rewarm-gib must be >= 0")
+    if any(v is not None and v < 0 for v in (args.warm_gib, args.rewarm_gib)):
+        p.error("--warm-gib and --rewarm-gib must be >= 0")
     return args
 
 
@@ -719,7 +727,8 @@ def benchmark(args: argparse.Namespace, layout: Layout) -> None:
 
     # Warm up after the state dict and the cache exist, so that the pages it
     # touches are the free ones the runs will draw from.
-    warmup = warm_memory(size)
+    warm_limit = None if args.warm_gib is None else int(args.warm_gib * GIB)
+    warmup = warm_memory(size, warm_limit)
     rewarm_size = int((2 * size) if args.rewarm_gib is None else args.rewarm_gib * GIB)
     bench = Bench(layout, sd, args.durable_timeout, Rewarm(rewarm_size))
     print("untimed warm-up run: one save and the loads of every target ...")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..fs.chunkstore import ChunkCorrupt, ChunkStore
 from ..fs.manifest import ManifestError, read_manifest
-from .walk import Problem, chunk_problem, resolve_under, walk_files
+from ..fs.walk import Problem, chunk_problem, resolve_under, walk_files
 
 
 @dataclass

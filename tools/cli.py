@@ -14,7 +14,9 @@ from typing import Any
 from ckptfs.fs.config import ConfigError, load_config
 from ckptfs.fs.preflight import MountError, check_backing, check_mountpoint, is_mounted, run_files
 
+from . import offline_cli
 from .control import ControlError, daemon_pid, find_mount, request
+from .offline_cli import OfflineError
 from .statfmt import format_stat
 
 MOUNT_TIMEOUT = 60.0
@@ -262,8 +264,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", nargs="?")
     p.set_defaults(func=cmd_evict)
 
-    from . import offline_cli
-
     offline_cli.register(sub)
     return parser
 
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (CliError, ConfigError, MountError, ControlError) as exc:
+    except (CliError, ConfigError, MountError, ControlError, OfflineError) as exc:
         print(f"ckptfs: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -18,7 +18,7 @@ from typing import BinaryIO
 
 from ..fs.chunkstore import CKPTFS_DIR, ChunkCorrupt, ChunkStore
 from ..fs.manifest import Manifest, ManifestError, read_manifest, tmp_name_for
-from .walk import Problem, chunk_problem, find_backing_root, skipped_name
+from ..fs.walk import Problem, chunk_problem, find_backing_root, skipped_name
 
 
 @dataclass

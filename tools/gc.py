@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ..fs.chunkstore import ChunkStore
 from ..fs.manifest import ManifestError, is_tmp_name, read_manifest
-from .walk import Problem, walk_files
+from ..fs.walk import Problem, walk_files
 
 _CHUNK_NAME = re.compile(r"[0-9a-f]{32}")
 # ChunkStore.put's temporary names, and ours for a chunk being removed.

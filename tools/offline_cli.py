@@ -1,9 +1,117 @@
-"""Subcommands that work on the backing directory itself (no daemon needed)."""
+"""`ckptfs export`, `gc` and `check`: they work on the backing directory itself.
+
+PATH may be a path in the backing directory, or a path inside a ckptfs mount
+(then the daemon is asked where its backing directory is).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
+
+from ..fs.walk import find_backing_root
+from .check import check
+from .control import ControlError, find_mount, request
+from .export import export
+from .gc import collect_garbage
+
+
+class OfflineError(Exception):
+    pass
+
+
+def backing_path(path: str | None) -> tuple[Path, Path]:
+    """(backing root, the backing-store path that ``path`` stands for)."""
+    target = Path(path or os.getcwd())
+    try:
+        mountpoint, rel = find_mount(target)
+    except ControlError:
+        root = find_backing_root(target)
+        if root is None:
+            raise OfflineError(
+                f"{target} is neither inside a ckptfs mount nor in a backing directory "
+                "(no .ckptfs/chunks above it)"
+            ) from None
+        return root, Path(os.path.abspath(target))
+    reply = request(mountpoint, {"op": "stat", "path": rel})
+    if not reply.get("ok"):
+        raise OfflineError(f"the daemon for {mountpoint} did not answer: {reply.get('error')}")
+    root = Path(reply["backing"])
+    return root, root / rel if rel else root
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    root, src = backing_path(args.src)
+    try:
+        result = export(src, Path(args.dst), backing=root)
+    except (ValueError, FileNotFoundError) as exc:
+        raise OfflineError(str(exc)) from None
+    for problem in result.problems:
+        print(f"ckptfs: error: {problem}")
+    print(
+        f"exported {len(result.files)} file(s), {result.bytes} bytes to {args.dst}"
+        + (f"; {len(result.problems)} failed" if result.problems else "")
+    )
+    return 0 if result.ok else 1
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    root, _ = backing_path(args.path)
+    result = collect_garbage(root, grace_seconds=args.grace, dry_run=args.dry_run)
+    for problem in result.problems:
+        print(f"ckptfs: warning: {problem}")
+    if result.refused:
+        print(f"ckptfs: error: nothing removed: {result.refused}")
+        return 1
+    verb = "would remove" if args.dry_run else "removed"
+    for path in result.removed:
+        print(f"{verb} {path}")
+    print(
+        f"{verb} {len(result.removed)} chunk file(s), {result.freed_bytes} bytes; "
+        f"{result.referenced} referenced by {result.manifests} manifest(s) kept, "
+        f"{result.kept_young} unreferenced kept within the {args.grace:.0f}s grace period"
+    )
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    root, path = backing_path(args.path)
+    result = check(root, path, verify_data=not args.quick)
+    for problem in result.problems:
+        print(f"ckptfs: error: {problem}")
+    for pending in result.pending:
+        print(f"pending (not durable yet): {pending}")
+    status = "all well" if result.ok else f"{len(result.damaged_files)} damaged file(s)"
+    print(
+        f"checked {result.manifests} manifest(s), {result.chunks} chunk(s), "
+        f"{result.plain} plain file(s): {status}"
+    )
+    return 0 if result.ok else 1
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Added once export/gc/check land (issue 4)."""
+    p = sub.add_parser("export", help="write plain files (no ckptfs needed) from SRC to DST")
+    p.add_argument("src", help="file or directory in the backing store or the mount")
+    p.add_argument("dst")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("gc", help="remove chunks no manifest references")
+    p.add_argument("path", nargs="?", help="backing directory or mount (default: cwd)")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=3600.0,
+        help="only remove chunks older than this many seconds (default 3600)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="print what would be removed")
+    p.set_defaults(func=cmd_gc)
+
+    p = sub.add_parser("check", help="verify manifests and chunks under PATH")
+    p.add_argument("path", nargs="?")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="check chunks exist with the right size, without reading them",
+    )
+    p.set_defaults(func=cmd_check)

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..fs.chunkstore import CKPTFS_DIR
-from ..fs.manifest import MAGIC, ManifestError, is_tmp_name, read_manifest
+from .chunkstore import CKPTFS_DIR
+from .manifest import MAGIC, ManifestError, is_tmp_name, read_manifest
 from .walk import Problem, walk_files
 
 log = logging.getLogger("ckptfs.retention")

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..fs.chunkstore import CKPTFS_DIR
-from ..fs.manifest import is_tmp_name
+from .chunkstore import CKPTFS_DIR
+from .manifest import is_tmp_name
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,9 @@ import time
 from pathlib import Path
 
 import torch
-from test_chunking import safetensors_bytes
-
 from ckptfs.fs.chunkstore import ChunkStore
 from ckptfs.fs.manifest import read_manifest
+from test_chunking import safetensors_bytes
 
 
 def store_bytes(backing: Path) -> int:
@@ -79,9 +78,7 @@ def test_retention_keeps_last_n_and_audits_each_deletion(mounts, tmp_path):
     m = mounts()
     audit = tmp_path / "audit.log"
     config = tmp_path / "c.yaml"
-    config.write_text(
-        f"retention: {{keep_last: 2, pattern: 'checkpoint-*', audit_log: {audit}}}\n"
-    )
+    config.write_text(f"retention: {{keep_last: 2, pattern: 'checkpoint-*', audit_log: {audit}}}\n")
     m.mount("--config", str(config))
     (m.mnt / "run").mkdir()
     (m.mnt / "run" / "notes.txt").write_text("not a checkpoint directory")
@@ -94,12 +91,17 @@ def test_retention_keeps_last_n_and_audits_each_deletion(mounts, tmp_path):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and len(os.listdir(m.backing / "run")) > 3:
         time.sleep(0.1)
-    assert sorted(os.listdir(m.backing / "run")) == ["checkpoint-300", "checkpoint-400",
-                                                     "notes.txt"]
+    assert sorted(os.listdir(m.backing / "run")) == [
+        "checkpoint-300",
+        "checkpoint-400",
+        "notes.txt",
+    ]
     assert sorted(os.listdir(m.mnt / "run")) == ["checkpoint-300", "checkpoint-400", "notes.txt"]
     lines = [ln for ln in audit.read_text().splitlines() if "\tdeleted\t" in ln]
     assert len(lines) == 2
-    assert any("checkpoint-100" in ln for ln in lines) and any("checkpoint-200" in ln for ln in lines)
+    assert any("checkpoint-100" in ln for ln in lines) and any(
+        "checkpoint-200" in ln for ln in lines
+    )
     assert "retention deleted" in m.log()
 
 
@@ -143,8 +145,9 @@ def test_export_gc_check_cli(mounts, tmp_path):
         f.write(b"\0\1\2\3")
     proc = m.cli("check", str(m.mnt), check=False)
     assert proc.returncode == 1 and "ck/model.pt" in proc.stdout and "1 damaged" in proc.stdout
-    proc = m.cli("export", str(m.backing / "ck" / "model.pt"), str(tmp_path / "bad.pt"),
-                 check=False)
+    proc = m.cli(
+        "export", str(m.backing / "ck" / "model.pt"), str(tmp_path / "bad.pt"), check=False
+    )
     assert proc.returncode == 1 and not (tmp_path / "bad.pt").exists()
     os.unlink(store.path_for(manifest.chunks[0].hash))
     proc = m.cli("check", str(m.backing), check=False)

@@ -87,6 +87,7 @@ class Config:
     chunk_size: int = 4 << 20
     writeback_cache: bool = True
     direct_writes: bool = True
+    read_ahead_kb: int = 1024
     fuse_workers: int = 16
     backing_timeout: float = 120.0
     run_dir: Path = Path("/run/ckptfs")
@@ -179,6 +180,7 @@ SCHEMA: dict[str, tuple[str, Any]] = {
     "fuse.writeback_cache": ("writeback_cache", parse_bool),
     "fuse.workers": ("fuse_workers", lambda v, k: parse_int(v, k, minimum=1)),
     "fuse.direct_writes": ("direct_writes", parse_bool),
+    "fuse.read_ahead_kb": ("read_ahead_kb", parse_int),
     "backing_timeout": ("backing_timeout", _timeout),
     "run_dir": ("run_dir", _path),
     "log": ("log_file", _path),

@@ -94,6 +94,7 @@ class Daemon:
                     nursery.start_soon(self._prefault)
                 await nursery.start(control.serve, self.sock_path, self._handlers())
                 nursery.start_soon(self._signals)
+                nursery.start_soon(set_read_ahead, self.mountpoint, self.config.read_ahead_kb)
                 self.pid_path.write_text(f"{os.getpid()}\n")
                 log.info(
                     "mounted %s (backing %s, node %s, cache %d MiB at %s, durability %s)",
@@ -360,6 +361,28 @@ class Daemon:
         self._terminating = True
         await trio.sleep(0.05)  # let the reply reach the client first
         pyfuse3.terminate()
+
+
+async def set_read_ahead(mountpoint: Path, kb: int) -> None:
+    """Larger kernel read-ahead for the mount: sequential torch.load reads then
+    arrive as several 1 MiB requests in flight instead of 128 KiB ones
+    (measured here: 2.0 -> 2.8-3.3 GiB/s from the RAM cache). Found through
+    mountinfo, since stat() of the mountpoint would wait for our own loop; set
+    again until it sticks, because the kernel resets it when FUSE INIT is answered."""
+    try:
+        with open("/proc/self/mountinfo") as mountinfo:
+            device = next(
+                line.split()[2] for line in mountinfo if line.split()[4] == str(mountpoint)
+            )
+        knob = Path(f"/sys/class/bdi/{device}/read_ahead_kb")
+        for _ in range(50):
+            knob.write_text(f"{kb}\n")
+            await trio.sleep(0.1)
+            if int(knob.read_text()) == kb:
+                return
+        log.warning("read-ahead of %s did not stay at %d KiB", mountpoint, kb)
+    except (OSError, StopIteration, ValueError) as exc:
+        log.warning("could not set read-ahead of %s to %d KiB: %s", mountpoint, kb, exc)
 
 
 def setup_logging(log_file: Path | None, foreground: bool) -> None:

@@ -16,11 +16,11 @@ Mounts ckptfs itself through the CLI (backing directory on local disk under
 Before the runs it touches and frees most of the free RAM, then does one untimed
 run of every target; each run takes the targets (mount, tmpfs, disk) in a
 rotated order, and every timed step is preceded by touching and freeing
---rewarm-gib of memory. On a VM, memory that was never touched, or that the
-guest handed back to the host (virtio-balloon free page reporting does so
-seconds after it is freed), costs a host fault on first touch, several times
-slower than recycled pages: without this, whichever step allocates such pages
-first (a load's tensors, the tmpfs pages) looks several times slower.
+--rewarm-gib of memory. On a VM, memory the guest never touched, or handed
+back to the host (virtio-balloon free page reporting), costs a host fault on
+first touch, several times slower than recycled pages: without this, whichever
+step first allocates such pages (a load's tensors, the tmpfs pages) looks
+several times slower.
 
 Every load opens a new fd (torch.load(path)) and is checked against the saved
 state outside the timed part. Every run saves different bytes, so that dedup
@@ -216,16 +216,15 @@ def safety_margin() -> int:
     return max(GIB, meminfo()["MemTotal"] // 16)
 
 
-def touch_memory(want: int, margin: int) -> tuple[int, float]:
+def touch_memory(want: int, field: str, floor: int) -> tuple[int, float]:
     """Write to up to ``want`` bytes of new anonymous memory, hold it all, then free it.
 
     Returns (bytes touched, seconds). All chunks are held until the end so that
-    they occupy distinct physical pages; freeing them puts those pages, now
-    backed by the hypervisor, at the head of the kernel's free lists, where the
-    next allocations (a load's tensors, page cache, tmpfs pages) take them
-    from. It stops early rather than let MemFree fall below ``margin``: going
-    further would only make the kernel reclaim page cache (already-backed pages,
-    and maybe a file a later measurement expects to find cached).
+    they occupy distinct physical pages; freeing them leaves those pages, now
+    backed by the hypervisor, on the kernel's free lists, where the next
+    allocations (a load's tensors, page cache, tmpfs pages) take them from. It
+    stops early rather than let /proc/meminfo's ``field`` fall below ``floor``
+    (other processes allocate too, and there may be no swap).
     """
     chunks: list[torch.Tensor] = []
     touched = 0
@@ -233,7 +232,7 @@ def touch_memory(want: int, margin: int) -> tuple[int, float]:
     try:
         while touched < want:
             n = min(WARM_CHUNK, want - touched)
-            if meminfo()["MemFree"] - n < margin:
+            if meminfo()[field] - n < floor:
                 break
             chunk = torch.empty(n, dtype=torch.uint8)
             chunk.fill_(0xA5)
@@ -247,14 +246,16 @@ def touch_memory(want: int, margin: int) -> tuple[int, float]:
 def warm_memory(size: int, limit: int | None) -> list[str]:
     """The one-off warm-up before any measurement; returns lines for the report.
 
-    Touches most of the free RAM, leaving room for what the runs still allocate
-    (the ckptfs cache and the state dict are resident already: the tmpfs copy,
-    one loaded copy and the page cache of the file being read) plus a margin.
+    Touches MemAvailable minus room for what the runs still allocate (the ckptfs
+    cache and the state dict are resident already: the tmpfs copy, one loaded
+    copy and the page cache of the file being read) and a margin. Going past
+    MemFree makes the kernel reclaim page cache now rather than in the middle of
+    a timed step.
     """
     info = meminfo()
     margin = safety_margin()
     reserve = 3 * size + margin
-    want = max(0, min(info["MemAvailable"] - reserve, info["MemFree"] - margin))
+    want = max(0, info["MemAvailable"] - reserve)
     if limit is not None:
         want = min(want, limit)
     print(
@@ -262,7 +263,7 @@ def warm_memory(size: int, limit: int | None) -> list[str]:
         f"(MemAvailable {info['MemAvailable'] / GIB:.2f} GiB, MemFree "
         f"{info['MemFree'] / GIB:.2f} GiB, left alone {reserve / GIB:.2f} GiB) ..."
     )
-    touched, seconds = touch_memory(want, margin)
+    touched, seconds = touch_memory(want, "MemAvailable", margin)
     rate = f", {touched / 1e9 / seconds:.2f} GB/s" if touched and seconds else ""
     print(f"  touched {touched / GIB:.2f} GiB in {seconds:.2f}s{rate}")
     lines = [
@@ -280,9 +281,9 @@ def warm_memory(size: int, limit: int | None) -> list[str]:
 def page_reporting() -> str:
     """Describe virtio-balloon free page reporting, if this VM has it on.
 
-    With it, the guest hands free blocks back to the hypervisor within seconds,
-    and touching them again costs a first-touch fault on the host: pages warmed
-    long before a measurement do not stay warm.
+    With it, the guest may hand free blocks back to the hypervisor, after which
+    touching them costs a first-touch fault on the host again: pages warmed long
+    before a measurement need not stay warm.
     """
     order_file = Path("/sys/module/page_reporting/parameters/page_reporting_order")
     try:
@@ -295,12 +296,12 @@ def page_reporting() -> str:
             features = (dev / "features").read_text().strip()
         except OSError:
             continue
+        # Feature bit 5 is VIRTIO_BALLOON_F_REPORTING.
         if driver == "virtio_balloon" and len(features) > 5 and features[5] == "1":
             block = (os.sysconf("SC_PAGE_SIZE") << order) >> 20
             return (
-                f"virtio-balloon free page reporting is on (free blocks of {block} MiB go back "
-                "to the host a few seconds after they are freed): every timed step is "
-                "preceded by touching and freeing memory again"
+                f"virtio-balloon free page reporting is on (free blocks of {block} MiB may be "
+                "handed back to the host)"
             )
     return ""
 
@@ -308,11 +309,12 @@ def page_reporting() -> str:
 class Rewarm:
     """Touch and free ``size`` bytes right before each timed step.
 
-    The one-off warm-up decays: with free page reporting the VM hands freed
-    memory back to the host in the background, and other steps (polling for
-    durability, dropping caches) take seconds. Re-touching just before the clock
-    starts gives every target the same kind of pages: no target pays for the
-    host's first-touch faults because of where it sits in the run.
+    The one-off warm-up need not last: a VM with free page reporting may hand
+    freed memory back to the host, other processes allocate and free meanwhile,
+    and the steps between measurements (polling for durability, dropping caches)
+    take seconds. Re-touching just before the clock starts gives every target
+    the same kind of pages: no target pays for the host's first-touch faults
+    because of where it sits in the run.
     """
 
     def __init__(self, size: int) -> None:
@@ -324,7 +326,9 @@ class Rewarm:
     def __call__(self) -> None:
         if self.size <= 0:
             return
-        touched, seconds = touch_memory(self.size, self.margin)
+        # Bounded by MemFree: reclaiming page cache here could evict a file the
+        # next step expects to find cached (the warm loads).
+        touched, seconds = touch_memory(self.size, "MemFree", self.margin)
         self.seconds.append(seconds)
         if touched < self.size:
             self.short.append(touched)

@@ -73,6 +73,7 @@ class Flusher:
         self.chunk_limiter = trio.CapacityLimiter(workers)
         self._send, self._recv = trio.open_memory_channel[CachedFile](math.inf)
         self._queued: set[str] = set()
+        self._again: set[str] = set()
         self.active: dict[str, CachedFile] = {}
         # Counters for `stat`.
         self.bytes_stored = 0
@@ -84,7 +85,14 @@ class Flusher:
         self._window: deque[tuple[float, int]] = deque()
 
     def enqueue(self, f: CachedFile) -> None:
-        if f.file_id not in self._queued and not f.unlinked:
+        """Queue ``f`` once. A file being flushed right now is not queued a second
+        time (two workers would flush it concurrently); it is queued again when
+        its current flush ends, in case it changed meanwhile."""
+        if f.unlinked:
+            return
+        if f.file_id in self.active:
+            self._again.add(f.file_id)
+        elif f.file_id not in self._queued:
             self._queued.add(f.file_id)
             self._send.send_nowait(f)
 
@@ -172,6 +180,10 @@ class Flusher:
             self.active.pop(f.file_id, None)
             if f.state == FLUSHING:
                 f.state = DIRTY
+            if f.file_id in self._again:
+                self._again.discard(f.file_id)
+                if f.state != DURABLE:
+                    self.enqueue(f)
 
     async def _store_chunk(
         self, f: CachedFile, i: int, off: int, length: int, out: list[Chunk | None]

@@ -100,3 +100,15 @@ def test_fsync_of_open_file_publishes_without_closing(mounted):
     finally:
         os.close(fd)
     assert (mounted.mnt / "live").read_bytes() == b"a" * 1000 + b"b" * 1000
+
+
+def test_flush_wait_does_not_flush_a_file_twice(mounts):
+    m = mounts()
+    m.mount(env={"CKPTFS_FLUSH_BANDWIDTH": "16MiB"})
+    (m.mnt / "once.bin").write_bytes(os.urandom(16 << 20))
+    assert m.file_state("once.bin") in ("dirty", "flushing")
+    m.wait_durable()  # asks again for a file already being flushed
+    m.umount()  # and once more
+    lines = (m.backing / ".ckptfs" / "history").glob("*.csv")
+    records = [ln for p in lines for ln in p.read_text().splitlines() if ",once.bin," in ln]
+    assert len(records) == 1, records

@@ -177,6 +177,9 @@ class Daemon:
                 break
             try:
                 self.prefaulted += await trio.to_thread.run_sync(self.arena.prefault, batch)
+            except OSError as exc:
+                log.error("pre-faulting the cache in %s stopped: %s", self.cache_root, exc)
+                return
             finally:
                 self.arena.return_prefault_batch(batch)
         log.info(

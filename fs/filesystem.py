@@ -436,6 +436,7 @@ class FileSystem:
                 return
             f.published_gen = gen
             f.closed_at = time.time()
+            self.cache.lost.pop(f.path, None)  # rewritten: whatever was lost is replaced
             inode = self.inodes.get(f.ino) if f.ino else None
             if inode is not None:
                 inode.kernel_version = f.version

@@ -74,6 +74,7 @@ class Flusher:
         self._send, self._recv = trio.open_memory_channel[CachedFile](math.inf)
         self._queued: set[str] = set()
         self._again: set[str] = set()
+        self._storing: dict[str, trio.Event] = {}
         self.active: dict[str, CachedFile] = {}
         # Counters for `stat`.
         self.bytes_stored = 0
@@ -196,19 +197,28 @@ class Flusher:
                 digest = chunk_hash(data)
                 return data, digest, time.perf_counter() - t0
 
-            data, digest, hash_time = await trio.to_thread.run_sync(read_and_hash)
+            # Through the backing-store runner: spilled pages are read from there.
+            data, digest, hash_time = await self.io.run(read_and_hash, what=f"read of {f.path}")
             self.bytes_hashed += length
             self.hash_seconds += hash_time
-            if await self.io.run(self.cache.store.touch, digest, what=f"flush of {f.path}"):
-                self.bytes_deduped += length
-            else:
-                await self.bandwidth.acquire(length)
-                written = await self.io.run(
-                    self.cache.store.put, digest, data, what=f"flush of {f.path}"
-                )
-                self.bytes_stored += written
-                self.bytes_deduped += length - written
-                self._window.append((time.monotonic(), written))
+            # One store per digest at a time: two files with the same bytes
+            # flushed together would otherwise both find the chunk missing.
+            while (busy := self._storing.get(digest)) is not None:
+                await busy.wait()
+            done = self._storing[digest] = trio.Event()
+            try:
+                what = f"flush of {f.path}"
+                if await self.io.run(self.cache.store.touch, digest, what=what):
+                    self.bytes_deduped += length
+                else:
+                    await self.bandwidth.acquire(length)
+                    written = await self.io.run(self.cache.store.put, digest, data, what=what)
+                    self.bytes_stored += written
+                    self.bytes_deduped += length - written
+                    self._window.append((time.monotonic(), written))
+            finally:
+                del self._storing[digest]
+                done.set()
             out[i] = Chunk(off, length, digest)
             f.flushed_bytes += length
 

@@ -55,6 +55,24 @@ def check_backing(backing: Path | None, mountpoint: Path) -> Path:
     return resolved
 
 
+def check_cache_dir(cache_dir: Path, mountpoint: Path, size: int) -> None:
+    """The cache budget must fit in cache.dir (tmpfs), counting an arena a
+    previous daemon of this mount left there (its pages are already ours)."""
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        st = os.statvfs(cache_dir)
+    except OSError as exc:
+        raise MountError(f"cache directory {cache_dir} is not usable: {exc.strerror}") from None
+    arena = cache_dir / mount_id(mountpoint) / "arena"
+    reusable = arena.stat().st_blocks * 512 if arena.exists() else 0
+    free = st.f_bavail * st.f_frsize + reusable
+    if free < size:
+        raise MountError(
+            f"cache directory {cache_dir} has {free >> 20} MiB free, "
+            f"cache.size needs {size >> 20} MiB"
+        )
+
+
 def mount_id(mountpoint: Path) -> str:
     """A stable name for a mount's run files and cache directory."""
     return hashlib.sha1(str(mountpoint).encode()).hexdigest()[:12]

@@ -85,6 +85,28 @@ def test_backing_not_writable(dirs, tmp_path):
         subprocess.run(["umount", str(ro)], check=False)
 
 
+def test_cache_larger_than_cache_dir(dirs, tmp_path):
+    mnt, backing, env = dirs
+    small = tmp_path / "small-tmpfs"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(small)], check=True)
+    try:
+        proc = run(
+            "mount",
+            str(mnt),
+            "--backing",
+            str(backing),
+            "--cache-size",
+            "64MiB",
+            "--cache-dir",
+            str(small / "c"),
+            env=env,
+        )
+        assert_one_line_error(proc, "cache directory", "cache.size needs 64 MiB")
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
 def test_no_daemon_at_path(tmp_path):
     for cmd in ("stat", "flush", "evict"):
         assert_one_line_error(run(cmd, str(tmp_path)), "no ckptfs daemon")

@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from ckptfs.fs.config import ConfigError, load_config
-from ckptfs.fs.preflight import MountError, check_backing, check_mountpoint, is_mounted, run_files
+from ckptfs.fs.preflight import (
+    MountError,
+    check_backing,
+    check_cache_dir,
+    check_mountpoint,
+    is_mounted,
+    run_files,
+)
 
 from . import offline_cli
 from .control import ControlError, daemon_pid, find_mount, request
@@ -40,6 +47,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     config = load_config(args.config, _mount_overrides(args))
     mountpoint = check_mountpoint(Path(args.mountpoint))
     config.backing = check_backing(config.backing, mountpoint)
+    check_cache_dir(config.cache_dir, mountpoint, config.cache_size)
     sock, _, log_file = run_files(config.run_dir, mountpoint)
     config.log_file = config.log_file or log_file
     if args.foreground:

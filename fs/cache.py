@@ -9,6 +9,7 @@ It knows nothing of FUSE, inodes or paths beyond what it logs.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
 from collections import OrderedDict
@@ -50,6 +51,9 @@ class Cache:
         self._recent: OrderedDict[str, bytes] = OrderedDict()  # recently fetched chunks
         self._inflight: dict[str, trio.Event] = {}
         self.chunk_reads = 0
+        # Page generations are global and only grow: a page freed and written
+        # again can never look "unchanged" to a spill that started before.
+        self._page_gen = itertools.count(1)
 
     # ----- registry -------------------------------------------------------
     def add(self, f: CachedFile) -> CachedFile:
@@ -154,7 +158,11 @@ class Cache:
 
     # ----- chunk fetch ------------------------------------------------------
     async def fetch_chunk(self, chunk: Chunk, what: str) -> bytes:
-        """The verified bytes of ``chunk``; concurrent requests share one read."""
+        """The verified bytes of ``chunk``; concurrent requests share one read.
+
+        A waiter whose fetcher failed starts over: it then fetches itself (and
+        meets the same error, reported to its own reader) or waits again.
+        """
         while True:
             data = self._recent.get(chunk.hash)
             if data is not None:
@@ -164,8 +172,6 @@ class Cache:
             if pending is None:
                 break
             await pending.wait()
-            if chunk.hash not in self._recent:  # the other read failed: try ourselves
-                break
         done = self._inflight[chunk.hash] = trio.Event()
         try:
             data = await self.io.run(
@@ -178,7 +184,8 @@ class Cache:
                 self._recent.popitem(last=False)
             return data
         finally:
-            del self._inflight[chunk.hash]
+            if self._inflight.get(chunk.hash) is done:
+                del self._inflight[chunk.hash]
             done.set()
 
     async def _assemble(self, f: CachedFile, start: int, end: int) -> bytes:
@@ -254,7 +261,7 @@ class Cache:
                     self.arena.zero(slot, f.fill[p], o)
                 self.arena.write(slot, o, view[pos - off : pos - off + n])
                 f.fill[p] = max(f.fill[p], o + n)
-                f.page_gen[p] += 1
+                f.page_gen[p] = next(self._page_gen)
                 f.dirty_pages.add(p)
                 pos += n
             f.size = max(f.size, end)
@@ -292,7 +299,7 @@ class Cache:
                         await self._page_in(f, boundary, 0, 0)
                     f.fill[boundary] = min(f.fill[boundary], size - boundary * ps)
                     f.dirty_pages.add(boundary)
-                    f.page_gen[boundary] += 1
+                    f.page_gen[boundary] = next(self._page_gen)
                 first_gone = -(-size // ps)
                 self._release_pages(f, range(first_gone, len(f.pages)))
                 for p in range(first_gone, len(f.pages)):
@@ -305,7 +312,12 @@ class Cache:
             f.mark_modified()
 
     def read_sync(self, f: CachedFile, off: int, size: int) -> bytes:
-        """Blocking read for the flusher's threads: RAM pages, else verified chunks."""
+        """Blocking read for the flusher's threads: RAM pages, else verified chunks.
+
+        The event loop may truncate the file meanwhile; then this returns
+        whatever it saw and the flusher discards the result (its generation
+        check), so a vanished page only has to read as zeros, not crash.
+        """
         end = min(off + size, f.size)
         parts = []
         pos = off
@@ -313,8 +325,15 @@ class Cache:
         while pos < end:
             p = pos // ps
             stop = min(p * ps + ps, end)
-            if p < len(f.pages) and f.pages[p] >= 0:
-                parts.append(self._read_ram(f, p, pos - p * ps, stop - pos))
+            try:
+                slot, fill = f.pages[p], f.fill[p]
+            except IndexError:
+                slot, fill = -1, 0
+            if slot >= 0:
+                o, n = pos - p * ps, stop - pos
+                valid = max(0, min(n, fill - o))
+                data = self.arena.read(slot, o, valid) if valid else b""
+                parts.append(data + bytes(n - valid) if valid < n else data)
             else:
                 for o, n, chunk in f.sources(pos, stop):
                     if chunk is None:
@@ -330,7 +349,9 @@ class Cache:
         """Free memory for waiting writers; returns whether anything was freed."""
         for f in list(self.files.values()):
             # A clean page can always be rebuilt from its chunks (or is zeros).
-            if f.state != FLUSHING:
+            # Closed files that are not durable yet keep theirs: the crash
+            # journal lists their slots.
+            if f.state == DURABLE or (f.writers and f.state != FLUSHING):
                 clean = [p for p, s in enumerate(f.pages) if s >= 0 and p not in f.dirty_pages]
                 if clean and self._release_pages(f, clean):
                     return True
@@ -361,7 +382,8 @@ class Cache:
 
         data, digest = await run_cpu(read_and_hash, limiter=self.hash_limiter)
         await self.io.run(self.store.put, digest, data, what=f"spill of {f.path}")
-        if f.pages[p] == slot and f.page_gen[p] == gen and f.state != FLUSHING:
+        unchanged = p < len(f.pages) and f.pages[p] == slot and f.page_gen[p] == gen
+        if unchanged and f.state != FLUSHING:
             f.spilled[p] = Chunk(p * self.page_size, length, digest)
             f.dirty_pages.discard(p)
             self._release_pages(f, [p])
@@ -375,9 +397,13 @@ class Cache:
             while self.waiting_writers:
                 try:
                     progressed = await self.relieve_pressure()
-                except OSError as exc:
-                    log.warning("spilling dirty pages to the backing store failed: %s", exc)
+                except Exception as exc:  # incl. ExceptionGroups: the spiller must live on
+                    cause = exc
+                    while isinstance(cause, BaseExceptionGroup) and cause.exceptions:
+                        cause = cause.exceptions[0]
+                    log.warning("spilling dirty pages to the backing store failed: %s", cause)
                     progressed = False
+                    await trio.sleep(1)
                 if not progressed:
                     await trio.sleep(0.05)
 

@@ -74,6 +74,7 @@ class Daemon:
         )
         self.fs = FileSystem(config, Backing(self.backing_root, self.io), self.cache, self.flusher)
         self.fs.on_publish.append(self._on_publish)
+        self.fs.on_modify.append(self._on_modify)
         self.started = time.time()
         self.prefaulted = 0
         self._terminating = False
@@ -152,6 +153,8 @@ class Daemon:
                 continue
             if f.gen != f.published_gen:
                 await self.fs.commit(f)
+                if f.gen != f.published_gen:
+                    continue  # could not be published (its name is gone): nothing to wait for
             if f.state not in (DURABLE, LOST):
                 self.flusher.enqueue(f)
                 pending.append(f)
@@ -225,7 +228,11 @@ class Daemon:
 
     # ----- hooks ------------------------------------------------------------------
     async def _on_publish(self, f: CachedFile) -> None:
-        await trio.to_thread.run_sync(self.journal.save, f)
+        await trio.to_thread.run_sync(self.journal.write, Journal.record(f))
+
+    async def _on_modify(self, f: CachedFile) -> None:
+        """A published file is about to change: its journal record would be stale."""
+        await trio.to_thread.run_sync(self.journal.remove, f)
 
     async def _on_durable(self, f: CachedFile, manifest: Manifest) -> None:
         self.journal.remove(f)

@@ -82,7 +82,9 @@ class FileSystem:
         self.dir_handles: dict[int, tuple[int, list[tuple[str, Entry]] | None]] = {}
         self._fh = itertools.count(1)
         self.ns_lock = trio.Lock()  # path-dependent backing updates (rename vs. publish)
-        self.on_publish: list[Any] = []  # hooks: async fn(CachedFile)
+        self.on_publish: list[Any] = []  # hooks: async fn(CachedFile), after a publish
+        self.on_modify: list[Any] = []  # hooks: async fn(CachedFile), before a published
+        # file changes or goes away
 
     # ----- attributes -------------------------------------------------------
     def _attr(self, inode: Inode, entry: Entry | None) -> Attr:
@@ -187,7 +189,9 @@ class FileSystem:
             self.dir_handles[fh] = (ino, listing)
         result = []
         for name, entry in listing[start:]:
-            inode = self._bind(ino, name, entry)
+            # The listing may be older than what lookup saw since: an inode the
+            # kernel already knows is kept, never replaced from the snapshot.
+            inode = self.inodes.child(ino, name) or self._bind(ino, name, entry)
             result.append((name, self._attr(inode, entry)))
         return result
 
@@ -229,10 +233,12 @@ class FileSystem:
             if entry.kind == "dir":
                 raise FsError(errno.EISDIR)
             await self.backing.unlink(path)
-            self._removed(parent, name, entry)
+            gone = self._removed(parent, name, entry)
+        if gone is not None:
+            await self._run_hooks(self.on_modify, gone)
         log.info("deleted %s", path)
 
-    def _removed(self, parent: int, name: str, entry: Entry) -> None:
+    def _removed(self, parent: int, name: str, entry: Entry) -> CachedFile | None:
         """A name went away: its file's bytes live on only for open handles."""
         inode = self.inodes.detach(parent, name)
         f = inode.file if inode is not None else None
@@ -241,6 +247,8 @@ class FileSystem:
         if f is not None:
             f.unlinked = True
             self._maybe_drop(f)
+            return f
+        return None
 
     async def rename(self, p_old: int, old: str, p_new: int, new: str, flags: int) -> None:
         if flags & ~getattr(os, "RENAME_NOREPLACE", 1):
@@ -256,16 +264,31 @@ class FileSystem:
             if target is not None and flags:
                 raise FsError(errno.EEXIST)
             await self.backing.rename(old_path, new_path)
+            replaced = None
             if target is not None and target.ident != source.ident:
-                self._removed(p_new, new, target)
+                replaced = self._removed(p_new, new, target)
             inode = self.inodes.child(p_old, old) or self._bind(p_old, old, source)
             self.inodes.move(inode, p_new, new)
-            self._repath(old_path, new_path)
+            moved = self._repath(old_path, new_path)
+        if replaced is not None:
+            await self._run_hooks(self.on_modify, replaced)
+        # Closed files not durable yet: their crash-journal records name the path.
+        for f in moved:
+            if f.state != DURABLE and f.gen == f.published_gen and not f.writers:
+                await self._run_hooks(self.on_publish, f)
 
-    def _repath(self, old: str, new: str) -> None:
+    def _repath(self, old: str, new: str) -> list[CachedFile]:
+        moved = []
         for f in self.cache.files.values():
             if f.path == old or f.path.startswith(old + "/"):
                 f.path = new + f.path[len(old) :]
+                moved.append(f)
+        return moved
+
+    @staticmethod
+    async def _run_hooks(hooks: list[Any], f: CachedFile) -> None:
+        for hook in hooks:
+            await hook(f)
 
     # ----- files ------------------------------------------------------------
     def _open_handle(self, inode: Inode, f: CachedFile | None, writable: bool) -> int:
@@ -282,8 +305,12 @@ class FileSystem:
     ) -> tuple[int, Attr]:
         path = self.inodes.child_path(parent, name)
         f = self.cache.new_file(new_id(), new_id(), path, mode & 0o7777)
-        async with self.ns_lock:
-            await self.backing.write_manifest(path, self._pending_manifest(f))
+        try:
+            async with self.ns_lock:
+                await self.backing.write_manifest(path, self._pending_manifest(f))
+        except BaseException:
+            self.cache.drop(f)
+            raise
         await self._chown_new(path, uid, gid)
         entry = await self._entry(path)
         inode = self._bind(parent, name, entry)
@@ -307,10 +334,15 @@ class FileSystem:
             return fh, False
         if inode.kind not in ("file", "plain"):
             raise FsError(errno.EISDIR if inode.kind == "dir" else errno.ELOOP)
-        f = await self._file_for(inode, writable)
+        truncate = writable and bool(flags & os.O_TRUNC)
+        f = await self._file_for(inode, writable, truncate)
+        if writable and f.state == LOST and not truncate:
+            raise FsError(errno.EIO, f"{f.path}: its bytes are lost; only O_TRUNC may rewrite it")
+        if writable and not f.writers and f.published_gen >= 0:
+            await self._run_hooks(self.on_modify, f)
         fh = self._open_handle(inode, f, writable)
         try:
-            if writable and flags & os.O_TRUNC and f.size:
+            if truncate and f.size:
                 await self.cache.truncate(f, 0)
         except BaseException:
             await self.release(fh)
@@ -319,7 +351,7 @@ class FileSystem:
         inode.kernel_version = f.version
         return fh, keep
 
-    async def _file_for(self, inode: Inode, writable: bool) -> CachedFile:
+    async def _file_for(self, inode: Inode, writable: bool, truncate: bool = False) -> CachedFile:
         """The cached file behind an inode, built from its manifest if needed."""
         f = inode.file
         if f is not None and (inode.unlinked or f.handles or f.gen != f.published_gen):
@@ -329,7 +361,7 @@ class FileSystem:
         path = self.inodes.path(inode.ino)
         entry = await self._entry(path)
         if entry.kind == "plain":
-            return await self._adopt_plain(inode, path, entry, writable)
+            return await self._adopt_plain(inode, path, entry, writable, truncate)
         m = entry.manifest
         if m is None:
             raise FsError(errno.EISDIR)
@@ -359,20 +391,28 @@ class FileSystem:
         return f
 
     async def _adopt_plain(
-        self, inode: Inode, path: str, entry: Entry, writable: bool
+        self, inode: Inode, path: str, entry: Entry, writable: bool, truncate: bool
     ) -> CachedFile:
         """Writing to a plain backing file turns it into a ckptfs file at close."""
         if not writable:
             raise FsError(errno.EIO, "plain file opened through the cache")
         f = self.cache.new_file(new_id(), new_id(), path, entry.st.st_mode & 0o7777)
-        fd = await self.backing.open_plain(path)
-        try:
-            off = 0
-            while data := await self.backing.pread(fd, 4 << 20, off, path):
-                await self.cache.write(f, off, data)
-                off += len(data)
-        finally:
-            await self.backing.close_fd(fd)
+        if not truncate:  # its old bytes are kept: copy them in (spillable as a writer)
+            f.writers += 1
+            try:
+                fd = await self.backing.open_plain(path)
+                try:
+                    off = 0
+                    while data := await self.backing.pread(fd, 4 << 20, off, path):
+                        await self.cache.write(f, off, data)
+                        off += len(data)
+                finally:
+                    await self.backing.close_fd(fd)
+            except BaseException:
+                self.cache.drop(f)
+                raise
+            finally:
+                f.writers -= 1
         f.mtime_ns = entry.st.st_mtime_ns
         f.replaces_plain = True  # the plain file stays until the first publish
         inode.kind, inode.file, f.ino = "file", f, inode.ino
@@ -431,7 +471,7 @@ class FileSystem:
         if f.gen != f.published_gen:
             f.version = new_id()
             gen = f.gen
-            published = await self.publish(f, lambda: self._pending_manifest(f))
+            published = await self.publish(f, lambda _: self._pending_manifest(f))
             if not published:
                 return
             f.published_gen = gen
@@ -440,9 +480,8 @@ class FileSystem:
             inode = self.inodes.get(f.ino) if f.ino else None
             if inode is not None:
                 inode.kernel_version = f.version
-            for hook in self.on_publish:
-                await hook(f)
             self.flusher.enqueue(f)
+            await self._run_hooks(self.on_publish, f)
         if self.config.durability == "backing":
             await self.wait_durable(f)
 
@@ -454,7 +493,9 @@ class FileSystem:
             return
         raise FsError(errno.EIO, f"{f.path} did not become durable within {limit:.0f}s")
 
-    async def publish(self, f: CachedFile, make: Callable[[], Manifest | None]) -> bool:
+    async def publish(
+        self, f: CachedFile, make: Callable[[Manifest | None], Manifest | None]
+    ) -> bool:
         """Write ``make()`` at the file's current path if that path is still ours.
 
         The manifest is built under the namespace lock, so it reflects the
@@ -474,7 +515,7 @@ class FileSystem:
             ):
                 log.warning("%s no longer names the file being written; not publishing", f.path)
                 return False
-            manifest = make()
+            manifest = make(current)
             if manifest is None:
                 return False
             await self.backing.write_manifest(f.path, manifest)
@@ -506,6 +547,10 @@ class FileSystem:
     async def _setattr_file(self, inode: Inode, change: SetAttr) -> Attr:
         f = await self._file_for(inode, writable=change.size is not None)
         if change.size is not None and change.size != f.size:
+            if f.state == LOST and change.size:
+                raise FsError(errno.EIO, f"{f.path}: its bytes are lost; truncate it to 0")
+            if not f.writers and f.published_gen >= 0:
+                await self._run_hooks(self.on_modify, f)
             await self.cache.truncate(f, change.size)
         if change.mode is not None:
             f.mode = change.mode & 0o7777
@@ -529,7 +574,7 @@ class FileSystem:
     async def _republish_meta(self, f: CachedFile) -> None:
         """Mode or mtime changed, not content: rewrite the manifest in its current state."""
 
-        def make() -> Manifest:
+        def make(_: Manifest | None) -> Manifest:
             if f.state == DURABLE:
                 return Manifest(
                     f.file_id,

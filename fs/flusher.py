@@ -29,8 +29,15 @@ from .manifest import Chunk, Manifest
 
 log = logging.getLogger("ckptfs.flusher")
 
-Publish = Callable[[CachedFile, Callable[[], Manifest | None]], Awaitable[bool]]
+Publish = Callable[[CachedFile, Callable[[Manifest | None], Manifest | None]], Awaitable[bool]]
 OnDurable = Callable[[CachedFile, Manifest], Awaitable[None]]
+
+
+def describe(exc: BaseException) -> str:
+    """The first real cause inside (nested) exception groups, for a log line."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"
 
 
 class Bandwidth:
@@ -83,6 +90,7 @@ class Flusher:
         self.hash_seconds = 0.0
         self.files_durable = 0
         self.failures = 0
+        self._consecutive_failures = 0
         self._window: deque[tuple[float, int]] = deque()
 
     def enqueue(self, f: CachedFile) -> None:
@@ -157,9 +165,11 @@ class Flusher:
 
             # Checked again under the publish lock: a newer version may have
             # been published while this one's last chunks were stored.
-            def fresh() -> Manifest | None:
+            def fresh(current: Manifest | None) -> Manifest | None:
                 if f.gen != gen or f.unlinked:
                     return None
+                if current is not None and current.version != f.version:
+                    return None  # a newer version was published (by another node)
                 manifest.mode, manifest.mtime_ns = f.mode, f.mtime_ns
                 return manifest
 

@@ -29,23 +29,27 @@ class Journal:
     def _path(self, file_id: str) -> Path:
         return self.dir / f"{file_id}.json"
 
-    def save(self, f: CachedFile) -> None:
-        record = {
+    @staticmethod
+    def record(f: CachedFile) -> dict[str, Any]:
+        """A snapshot of ``f``'s slots, taken on the event loop (nothing moves then)."""
+        return {
             "file_id": f.file_id,
             "version": f.version,
             "path": f.path,
             "size": f.size,
             "mode": f.mode,
             "mtime_ns": f.mtime_ns,
-            "pages": f.pages,
-            "fill": f.fill,
+            "pages": list(f.pages),
+            "fill": list(f.fill),
             "base": [[c.offset, c.length, c.hash] for c in f.base],
             "base_end": f.base_end,
             "spilled": {str(p): [c.offset, c.length, c.hash] for p, c in f.spilled.items()},
         }
-        tmp = self._path(f.file_id).with_suffix(".tmp")
+
+    def write(self, record: dict[str, Any]) -> None:
+        tmp = self._path(record["file_id"]).with_suffix(".tmp")
         tmp.write_text(json.dumps(record))
-        os.replace(tmp, self._path(f.file_id))
+        os.replace(tmp, self._path(record["file_id"]))
 
     def remove(self, f: CachedFile) -> None:
         self._path(f.file_id).unlink(missing_ok=True)

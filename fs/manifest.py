@@ -109,7 +109,8 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest | None:
 
 
 def tmp_name_for(path: Path) -> Path:
-    return path.with_name(f".{path.name}.ckptfs-tmp.{secrets.token_hex(4)}")
+    # Shortened so that a name near NAME_MAX still has a temporary name.
+    return path.with_name(f".{path.name[:128]}.ckptfs-tmp.{secrets.token_hex(4)}")
 
 
 def is_tmp_name(name: str | bytes) -> bool:

@@ -16,7 +16,7 @@ import re
 import shutil
 import stat
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from .chunkstore import CKPTFS_DIR
@@ -150,7 +150,7 @@ def _is_manifest(path: Path) -> bool:
 
 def _audit(audit_log: Path, action: str, path: Path, reason: str) -> None:
     audit_log.parent.mkdir(parents=True, exist_ok=True)
-    when = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    when = datetime.now(UTC).isoformat(timespec="seconds")
     line = f"{when}\t{action}\t{path}\t{reason}\n".encode()
     fd = os.open(audit_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:

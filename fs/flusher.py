@@ -116,15 +116,19 @@ class Flusher:
             task_status.started()
 
     async def _worker(self) -> None:
+        # Nothing may end this loop: chunk tasks fail as ExceptionGroups, and
+        # a dead worker would leave files dirty forever (or end the daemon).
         async for f in self._recv:
             self._queued.discard(f.file_id)
             try:
                 await self.flush_file(f)
-            except OSError as exc:
+                self._consecutive_failures = 0
+            except Exception as exc:
                 self.failures += 1
+                self._consecutive_failures += 1
                 f.state = DIRTY
-                log.error("flush of %s failed, will retry: %s", f.path, exc)
-                await trio.sleep(min(60.0, 2.0 ** min(self.failures, 6)))
+                log.error("flush of %s failed, will retry: %s", f.path, describe(exc))
+                await trio.sleep(min(60.0, 2.0 ** min(self._consecutive_failures, 6)))
                 self.enqueue(f)
 
     async def flush_file(self, f: CachedFile) -> None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
 
 import pytest
 from ckptfs.fs.manifest import Manifest, read_manifest, write_manifest
+from conftest import wait_for
 
 
 def test_lost_file_reads_eio_and_refuses_partial_rewrites(mounts):
@@ -75,3 +77,22 @@ def test_names_up_to_name_max(mounted):
     assert (mounted.mnt / name).read_bytes() == b"long"
     mounted.wait_durable()
     assert read_manifest(mounted.backing / name).state == "durable"
+
+
+def test_backing_store_failure_during_flush_is_retried_not_fatal(mounts):
+    m = mounts()
+    m.mount()
+    chunks = m.backing / ".ckptfs" / "chunks"
+    # Immutable: even root cannot create the chunk's subdirectories now.
+    subprocess.run(["chattr", "+i", str(chunks)], check=True)
+    try:
+        blob = os.urandom(3 << 20)
+        (m.mnt / "x.bin").write_bytes(blob)  # close succeeds: bytes are in RAM
+        wait_for(lambda: "flush of x.bin failed, will retry" in m.log(), 20, "a failed flush")
+        assert m.file_state("x.bin") == "dirty"
+        assert (m.mnt / "x.bin").read_bytes() == blob  # the daemon is alive and serving
+    finally:
+        subprocess.run(["chattr", "-i", str(chunks)], check=True)
+    m.wait_durable(timeout=90)
+    assert read_manifest(m.backing / "x.bin").state == "durable"
+    m.allowed_log = ["flush of x.bin failed, will retry"]

@@ -10,8 +10,11 @@ BACKING=$WORK/backing
 CKPTFS=.venv/bin/ckptfs
 export CKPTFS_RUN_DIR=${CKPTFS_RUN_DIR:-$WORK/run}
 
-mkdir -p "$MNT" "$BACKING"
 if grep -qs " $MNT fuse.ckptfs " /proc/mounts; then $CKPTFS umount "$MNT"; fi
+# A fresh backing directory each run, so the numbers shown are this run's
+# (an old one would make every checkpoint a dedup hit).
+rm -rf "$BACKING"
+mkdir -p "$MNT" "$BACKING"
 cleanup() { grep -qs " $MNT fuse.ckptfs " /proc/mounts && fusermount3 -u -z "$MNT" || true; }
 trap cleanup EXIT
 

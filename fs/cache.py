@@ -418,4 +418,5 @@ class Cache:
             "backpressure_seconds": round(self.backpressure_seconds, 3),
             "evicted_bytes": self.evicted_bytes,
             "spilled_bytes": self.spilled_bytes,
+            "chunk_reads": self.chunk_reads,
         }

@@ -330,6 +330,7 @@ class Daemon:
             },
             "flush": self.flusher.stats(),
             "backing_health": self.io.health,
+            "backing_calls": {"slow": self.io.slow_calls, "timed_out": self.io.timeouts},
             "files": files,
             "lost": lost,
             "peers": [],

@@ -616,7 +616,3 @@ class FileSystem:
             handle = self.handles.pop(fh)
             if handle.plain_fd is not None:
                 os.close(handle.plain_fd)
-
-    @property
-    def root_ino(self) -> int:
-        return ROOT

@@ -13,7 +13,7 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import trio
@@ -25,6 +25,7 @@ from .chunkstore import ChunkCorrupt, ChunkStore, chunk_hash
 from .manifest import Chunk, Manifest
 
 log = logging.getLogger("ckptfs.cache")
+MAX_IDLE_FILES = 4096
 
 
 class FileLost(OSError):
@@ -38,6 +39,8 @@ class Cache:
         self.io = io
         self.page_size = arena.slot_size
         self.files: dict[str, CachedFile] = {}
+        # Set by the filesystem: whether an inode still points at a file.
+        self.referenced: Callable[[CachedFile], bool] = lambda f: False
         self.lost: dict[str, str] = {}  # path -> reason
         self.hash_limiter = trio.CapacityLimiter(hash_threads)
         self._space_event = trio.Event()
@@ -151,7 +154,25 @@ class Cache:
         self.evicted_bytes += freed
         if freed:
             log.debug("evicted %s (%d MiB)", f.path, freed >> 20)
+            self.prune()
         return freed
+
+    def prune(self) -> int:
+        """Forget the oldest idle entries beyond MAX_IDLE_FILES: durable, no RAM,
+        not open and not behind an inode the kernel holds. They are only
+        metadata (rebuilt from the manifest on the next open), but a long job
+        would otherwise accumulate one per checkpoint file forever."""
+        idle = [
+            f
+            for f in self.files.values()
+            if f.state == DURABLE and not f.handles and not f.ram_pages() and not self.referenced(f)
+        ]
+        excess = len(idle) - MAX_IDLE_FILES
+        if excess <= 0:
+            return 0
+        for f in sorted(idle, key=lambda f: f.last_access)[:excess]:
+            del self.files[f.file_id]
+        return excess
 
     def dirty_bytes(self) -> int:
         return sum(len(f.dirty_pages) for f in self.files.values()) * self.page_size

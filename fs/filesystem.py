@@ -82,6 +82,7 @@ class FileSystem:
         self.dir_handles: dict[int, tuple[int, list[tuple[str, Entry]] | None]] = {}
         self._fh = itertools.count(1)
         self.ns_lock = trio.Lock()  # path-dependent backing updates (rename vs. publish)
+        cache.referenced = self._referenced
         self.on_publish: list[Any] = []  # hooks: async fn(CachedFile), after a publish
         self.on_modify: list[Any] = []  # hooks: async fn(CachedFile), before a published
         # file changes or goes away
@@ -163,6 +164,10 @@ class FileSystem:
         if inode is None:
             raise FsError(errno.ENOENT, f"unknown inode {ino}")
         return inode
+
+    def _referenced(self, f: CachedFile) -> bool:
+        inode = self.inodes.get(f.ino) if f.ino is not None else None
+        return inode is not None and inode.file is f
 
     def forget(self, ino: int, count: int) -> None:
         freed = self.inodes.forget(ino, count)

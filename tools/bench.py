@@ -32,215 +32,54 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import math
 import os
-import platform
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from ckptfs.fs.config import ConfigError, parse_size
-from ckptfs.fs.preflight import is_mounted
 
-GIB = 1 << 30
-MIB = 1 << 20
-VOCAB = 50304
-CONTEXT = 2048
-N_LAYER = 24
-CLI_TIMEOUT = 120.0
-WARM_CHUNK = 256 * MIB
+from .benchlib import (
+    GIB,
+    N_LAYER,
+    BenchError,
+    Layout,
+    Rewarm,
+    build_state_dict,
+    cache_size_for,
+    ckptfs,
+    file_entry,
+    fsync_path,
+    machine,
+    markdown_lines,
+    meminfo,
+    mount,
+    print_lines,
+    run_mounted,
+    safety_margin,
+    save,
+    stat_json,
+    table_lines,
+    timed,
+    touch_memory,
+    wait_durable,
+)
+
 TARGETS = ("mount", "tmpfs", "disk")
-
-
-class BenchError(Exception):
-    pass
-
-
-# ----- layout and the ckptfs CLI ---------------------------------------------------
-
-
-@dataclass
-class Layout:
-    workdir: Path
-    tmpfs: Path  # plain tmpfs directory: the in-RAM baseline
-    cache: Path  # ckptfs RAM cache (its cache.dir), also on tmpfs
-
-    @property
-    def backing(self) -> Path:
-        return self.workdir / "backing"
-
-    @property
-    def mountpoint(self) -> Path:
-        return self.workdir / "mnt"
-
-    @property
-    def disk(self) -> Path:
-        # Beside the backing directory, on the same disk, but not inside it: the
-        # daemon owns the backing namespace while mounted.
-        return self.workdir / "disk"
-
-    @property
-    def run_dir(self) -> Path:
-        return self.workdir / "run"
-
-
-def make_layout(workdir: Path) -> Layout:
-    tag = f"ckptfs-bench-{os.getpid()}"
-    layout = Layout(workdir.resolve(), Path("/dev/shm") / tag, Path("/dev/shm") / f"{tag}-cache")
-    if is_mounted(layout.mountpoint):
-        raise BenchError(
-            f"{layout.mountpoint} is still mounted (an earlier run?): "
-            f"`ckptfs umount {layout.mountpoint}` or `fusermount3 -u -z {layout.mountpoint}`"
-        )
-    for d in (layout.backing, layout.mountpoint, layout.disk, layout.run_dir, layout.tmpfs):
-        d.mkdir(parents=True, exist_ok=True)
-    if any(layout.mountpoint.iterdir()) or any(layout.backing.iterdir()):
-        raise BenchError(
-            f"{layout.mountpoint} or {layout.backing} is not empty: pick a new --workdir"
-        )
-    return layout
-
-
-def cli_env(layout: Layout) -> dict[str, str]:
-    return {**os.environ, "CKPTFS_RUN_DIR": str(layout.run_dir)}
-
-
-def ckptfs(layout: Layout, *args: str, timeout: float = CLI_TIMEOUT) -> str:
-    """Run ``ckptfs ARGS`` (this interpreter's copy); return stdout or raise naming the command."""
-    cmd = [sys.executable, "-m", "ckptfs", *args]
-    try:
-        done = subprocess.run(
-            cmd, env=cli_env(layout), capture_output=True, text=True, timeout=timeout, check=False
-        )
-    except subprocess.TimeoutExpired:
-        raise BenchError(
-            f"`ckptfs {' '.join(args)}` did not return within {timeout:.0f}s"
-        ) from None
-    if done.returncode != 0:
-        detail = (done.stderr or done.stdout).strip().splitlines()
-        raise BenchError(
-            f"`ckptfs {' '.join(args)}` failed ({done.returncode}): {detail[-1] if detail else ''}"
-        )
-    return done.stdout
-
-
-def stat_json(layout: Layout, path: Path) -> dict[str, Any]:
-    return json.loads(ckptfs(layout, "stat", str(path), "--json"))
-
-
-def file_entry(status: dict[str, Any], layout: Layout, path: Path) -> dict[str, Any] | None:
-    rel = str(path.relative_to(layout.mountpoint))
-    return next((f for f in status.get("files", []) if f.get("path") == rel), None)
-
-
-def mount(layout: Layout, cache_size: str, config: str | None) -> float:
-    """Mount and wait until the daemon has pre-faulted its cache; returns that wait."""
-    args = ["mount", str(layout.mountpoint), "--backing", str(layout.backing)]
-    args += ["--cache-size", cache_size, "--cache-dir", str(layout.cache)]
-    if config:
-        args += ["--config", config]
-    print(ckptfs(layout, *args).strip())
-    # Pre-faulting runs in the background after mount; let it finish so that it
-    # does not compete with the first measurement for the CPU.
-    start = time.perf_counter()
-    deadline = start + 300
-    while time.perf_counter() < deadline:
-        cache = stat_json(layout, layout.mountpoint).get("cache", {})
-        if cache.get("prefaulted", 0) >= cache.get("capacity", 0):
-            break
-        time.sleep(0.2)
-    return time.perf_counter() - start
-
-
-def unmount(layout: Layout) -> None:
-    """`ckptfs umount`, else a lazy fusermount3; never raises (runs in a finally)."""
-    if not is_mounted(layout.mountpoint):
-        return
-    try:
-        print(ckptfs(layout, "umount", str(layout.mountpoint), timeout=600).strip())
-    except BenchError as exc:
-        print(f"warning: {exc}; detaching with fusermount3 -u -z", file=sys.stderr)
-        subprocess.run(["fusermount3", "-u", "-z", str(layout.mountpoint)], check=False)
-    if is_mounted(layout.mountpoint):
-        print(f"warning: {layout.mountpoint} is still mounted", file=sys.stderr)
-
-
-def daemon_log(layout: Layout) -> list[Path]:
-    return sorted(layout.run_dir.glob("*.log"))
 
 
 # ----- memory -------------------------------------------------------------------------
 
 
-def meminfo() -> dict[str, int]:
-    """/proc/meminfo in bytes."""
-    values: dict[str, int] = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            fields = rest.split()
-            if fields and fields[0].isdigit():
-                values[name] = int(fields[0]) * (1024 if fields[1:] == ["kB"] else 1)
-    if "MemAvailable" not in values or "MemFree" not in values:
-        raise BenchError("/proc/meminfo has no MemAvailable or MemFree line")
-    return values
-
-
-def available_memory() -> int:
-    return meminfo()["MemAvailable"]
-
-
-def check_memory(size: int, cache_size: int) -> None:
-    # The state dict, one loaded copy, the tmpfs file and the ckptfs cache are
-    # resident at once; the page cache of the other copies is reclaimable.
-    need = 3 * size + cache_size + GIB
-    have = available_memory()
-    if have < need:
-        raise BenchError(
-            f"needs about {need / GIB:.1f} GiB of free memory for --size-gib {size / GIB:g}, "
-            f"{have / GIB:.1f} GiB available"
-        )
-
-
-def safety_margin() -> int:
-    """Memory the warm-up never touches: there is no swap to fall back on, and
-    other processes on the machine keep allocating while it runs."""
-    return max(GIB, meminfo()["MemTotal"] // 16)
-
-
-def touch_memory(want: int, field: str, floor: int) -> tuple[int, float]:
-    """Write to up to ``want`` bytes of new anonymous memory, hold it all, then free it.
-
-    Returns (bytes touched, seconds). All chunks are held until the end so that
-    they occupy distinct physical pages; freeing them leaves those pages, now
-    backed by the hypervisor, on the kernel's free lists, where the next
-    allocations (a load's tensors, page cache, tmpfs pages) take them from. It
-    stops early rather than let /proc/meminfo's ``field`` fall below ``floor``
-    (other processes allocate too, and there may be no swap).
-    """
-    chunks: list[torch.Tensor] = []
-    touched = 0
-    start = time.perf_counter()
-    try:
-        while touched < want:
-            n = min(WARM_CHUNK, want - touched)
-            if meminfo()[field] - n < floor:
-                break
-            chunk = torch.empty(n, dtype=torch.uint8)
-            chunk.fill_(0xA5)
-            chunks.append(chunk)
-            touched += n
-    finally:
-        chunks.clear()
-    return touched, time.perf_counter() - start
+def torch_chunk(n: int) -> torch.Tensor:
+    """``n`` bytes of new memory as a torch tensor, every byte written (for touch_memory)."""
+    chunk = torch.empty(n, dtype=torch.uint8)
+    chunk.fill_(0xA5)
+    return chunk
 
 
 def warm_memory(size: int, limit: int | None) -> list[str]:
@@ -263,7 +102,7 @@ def warm_memory(size: int, limit: int | None) -> list[str]:
         f"(MemAvailable {info['MemAvailable'] / GIB:.2f} GiB, MemFree "
         f"{info['MemFree'] / GIB:.2f} GiB, left alone {reserve / GIB:.2f} GiB) ..."
     )
-    touched, seconds = touch_memory(want, "MemAvailable", margin)
+    touched, seconds = touch_memory(want, "MemAvailable", margin, torch_chunk)
     rate = f", {touched / 1e9 / seconds:.2f} GB/s" if touched and seconds else ""
     print(f"  touched {touched / GIB:.2f} GiB in {seconds:.2f}s{rate}")
     lines = [
@@ -306,45 +145,18 @@ def page_reporting() -> str:
     return ""
 
 
-class Rewarm:
-    """Touch and free ``size`` bytes right before each timed step.
-
-    The one-off warm-up need not last: a VM with free page reporting may hand
-    freed memory back to the host, other processes allocate and free meanwhile,
-    and the steps between measurements (polling for durability, dropping caches)
-    take seconds. Re-touching just before the clock starts gives every target
-    the same kind of pages: no target pays for the host's first-touch faults
-    because of where it sits in the run.
-    """
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.margin = safety_margin()
-        self.seconds: list[float] = []
-        self.short: list[int] = []  # bytes touched when MemFree did not allow ``size``
-
-    def __call__(self) -> None:
-        if self.size <= 0:
-            return
-        # Bounded by MemFree: reclaiming page cache here could evict a file the
-        # next step expects to find cached (the warm loads).
-        touched, seconds = touch_memory(self.size, "MemFree", self.margin)
-        self.seconds.append(seconds)
-        if touched < self.size:
-            self.short.append(touched)
-
-    def describe(self) -> str:
-        if self.size <= 0:
-            return "no memory re-touch before the timed steps (--rewarm-gib 0)"
-        line = (
-            f"before every timed step: touched and freed {self.size / GIB:.2f} GiB "
-            f"(median {statistics.median(self.seconds or [0.0]):.2f}s, untimed)"
+def describe_rewarm(rewarm: Rewarm) -> str:
+    if rewarm.size <= 0:
+        return "no memory re-touch before the timed steps (--rewarm-gib 0)"
+    line = (
+        f"before every timed step: touched and freed {rewarm.size / GIB:.2f} GiB "
+        f"(median {statistics.median(rewarm.seconds or [0.0]):.2f}s, untimed)"
+    )
+    if rewarm.short:
+        line += (
+            f"; {len(rewarm.short)} time(s) MemFree allowed only {min(rewarm.short) / GIB:.2f} GiB"
         )
-        if self.short:
-            line += (
-                f"; {len(self.short)} time(s) MemFree allowed only {min(self.short) / GIB:.2f} GiB"
-            )
-        return line
+    return line
 
 
 def drop_page_cache(path: Path) -> str:
@@ -370,45 +182,6 @@ def drop_page_cache(path: Path) -> str:
 
 
 # ----- the state dict -----------------------------------------------------------------
-
-
-def gpt_width(size: int) -> int:
-    """Model width so that the state dict below comes to about ``size`` bytes."""
-    # bf16 blocks: 12*d^2 per layer at 2 bytes; fp32 embeddings: (VOCAB+CONTEXT)*d*4.
-    a, b = N_LAYER * 12 * 2, (VOCAB + CONTEXT) * 4
-    d = (-b + math.sqrt(b * b + 4 * a * size)) / (2 * a)
-    return max(64, round(d / 64) * 64)
-
-
-def build_state_dict(size: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A GPT-2-like state dict: fp32 embeddings and norms, bf16 block weights."""
-    gen = torch.Generator().manual_seed(seed)
-    d = gpt_width(size)
-
-    def randn(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(dtype)
-
-    sd: dict[str, torch.Tensor] = {
-        "transformer.wte.weight": randn(VOCAB, d, dtype=torch.float32),
-        "transformer.wpe.weight": randn(CONTEXT, d, dtype=torch.float32),
-    }
-    for i in range(N_LAYER):
-        p = f"transformer.h.{i}."
-        sd[p + "ln_1.weight"] = torch.ones(d)
-        sd[p + "ln_1.bias"] = torch.zeros(d)
-        sd[p + "attn.c_attn.weight"] = randn(3 * d, d)
-        sd[p + "attn.c_attn.bias"] = randn(3 * d)
-        sd[p + "attn.c_proj.weight"] = randn(d, d)
-        sd[p + "attn.c_proj.bias"] = randn(d)
-        sd[p + "ln_2.weight"] = torch.ones(d)
-        sd[p + "ln_2.bias"] = torch.zeros(d)
-        sd[p + "mlp.c_fc.weight"] = randn(4 * d, d)
-        sd[p + "mlp.c_fc.bias"] = randn(4 * d)
-        sd[p + "mlp.c_proj.weight"] = randn(d, 4 * d)
-        sd[p + "mlp.c_proj.bias"] = randn(d)
-    sd["transformer.ln_f.weight"] = torch.ones(d)
-    sd["transformer.ln_f.bias"] = torch.zeros(d)
-    return sd
 
 
 def perturb(sd: dict[str, torch.Tensor]) -> None:
@@ -446,32 +219,10 @@ class Bench:
     rewarm: Rewarm
 
 
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    start = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - start, result
-
-
-def save(sd: dict[str, torch.Tensor], path: Path, what: str) -> None:
-    try:
-        torch.save(sd, path)
-    except (OSError, RuntimeError) as exc:  # torch's C++ writer raises RuntimeError
-        raise BenchError(f"{what}: torch.save to {path} failed: {exc}") from None
-
-
 def save_fsync(sd: dict[str, torch.Tensor], path: Path) -> None:
     save(sd, path, "disk")
-    # fsync through a new fd flushes the inode's dirty pages all the same.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    fsync_path(path)
+    fsync_path(path.parent, directory=True)
 
 
 def load_checked(
@@ -488,29 +239,6 @@ def load_checked(
     if not ok:
         raise BenchError(f"{what}: {path} loaded back different tensors than were saved")
     return seconds
-
-
-def wait_durable(layout: Layout, path: Path, timeout: float) -> tuple[float, float]:
-    """Poll `ckptfs stat --json` until ``path`` is durable.
-
-    Returns (seconds since the call, median duration of one poll): the state
-    changed at most one poll before it was seen.
-    """
-    start = time.perf_counter()
-    polls: list[float] = []
-    while time.perf_counter() - start < timeout:
-        poll_start = time.perf_counter()
-        entry = file_entry(stat_json(layout, path), layout, path)
-        polls.append(time.perf_counter() - poll_start)
-        if entry is None:
-            raise BenchError(f"`ckptfs stat --json {path}` does not list the file")
-        state = entry.get("state")
-        if state == "durable":
-            return time.perf_counter() - start, statistics.median(polls)
-        if state == "lost":
-            raise BenchError(f"ckptfs reports {path} as lost")
-        time.sleep(0.02)
-    raise BenchError(f"{path} was not durable within {timeout:.0f}s")
 
 
 def evict(layout: Layout, path: Path) -> str:
@@ -625,50 +353,36 @@ def print_report(runs: list[Run], size: int, context: list[str]) -> None:
     med = medians(runs)
     header = ("measurement", "median s", "GB/s", "min-max s")
     rows = table_rows(runs, size)
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
     print()
-    for line in context:
-        print(line)
+    print_lines(context)
     print()
-    for r in [header, *rows]:
-        print(
-            f"{r[0]:<{widths[0]}}  "
-            + "  ".join(f"{c:>{w}}" for c, w in zip(r[1:], widths[1:], strict=True))
-        )
+    print_lines(table_lines(header, rows))
     print()
     for label, num, den in RATIOS:
         print(f"{label:<30} {med[num] / med[den]:6.2f}x (time)")
 
     print("\nMarkdown:\n")
-    for line in context:
-        print(f"- {line}")
+    print_lines(context, bullet="- ")
     print()
-    print("| " + " | ".join(header) + " |")
-    print("| --- | ---: | ---: | ---: |")
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
+    print_lines(markdown_lines(header, rows))
     print()
-    print("| ratio (time) | x |")
-    print("| --- | ---: |")
-    for label, num, den in RATIOS:
-        print(f"| {label} | {med[num] / med[den]:.2f} |")
+    ratios = [(label, f"{med[num] / med[den]:.2f}") for label, num, den in RATIOS]
+    print_lines(markdown_lines(("ratio (time)", "x"), ratios))
 
 
 def context(
     runs: list[Run], layout: Layout, durability: str, warmup: list[str], rewarm: Rewarm
 ) -> list[str]:
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     poll = statistics.median(r.poll_s for r in runs)
     return [
         f"file: {runs[0].file_size / 1e9:.2f} GB GPT-like state dict ({N_LAYER} layers, "
         f"bf16 blocks, fp32 embeddings), {len(runs)} run(s), median reported",
-        f"machine: {os.cpu_count()} CPUs, {mem / GIB:.0f} GiB RAM, Linux {platform.release()}, "
-        f"torch {torch.__version__}",
+        f"machine: {machine()}, torch {torch.__version__}",
         f"ckptfs: durability {durability}, backing dir {layout.backing}, cache in {layout.cache}",
         f"durable time seen by polling `ckptfs stat --json` (one poll: {poll:.3f}s); "
         f"page cache dropped with {runs[0].page_cache_drop}; every load opens a new fd",
         *warmup,
-        rewarm.describe(),
+        describe_rewarm(rewarm),
         "target order per run: " + "; ".join(", ".join(r.order) for r in runs),
         "GB/s = file size / time (10^9 bytes); ratios are time ratios, below 1 = ckptfs faster",
     ]
@@ -715,9 +429,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def benchmark(args: argparse.Namespace, layout: Layout) -> None:
     size = int(args.size_gib * GIB)
-    # The cache holds one run's file (each run deletes its file) plus headroom.
-    cache_size = args.cache_size or str(int(1.5 * size) + 256 * MIB)
-    check_memory(size, parse_size(cache_size, "--cache-size", allow_percent=True))
+    cache_size = cache_size_for(args.cache_size, size)
 
     seconds, sd = timed(lambda: build_state_dict(size))
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
@@ -734,7 +446,7 @@ def benchmark(args: argparse.Namespace, layout: Layout) -> None:
     warm_limit = None if args.warm_gib is None else int(args.warm_gib * GIB)
     warmup = warm_memory(size, warm_limit)
     rewarm_size = int((2 * size) if args.rewarm_gib is None else args.rewarm_gib * GIB)
-    bench = Bench(layout, sd, args.durable_timeout, Rewarm(rewarm_size))
+    bench = Bench(layout, sd, args.durable_timeout, Rewarm(rewarm_size, torch_chunk))
     print("untimed warm-up run: one save and the loads of every target ...")
     seconds, _ = timed(lambda: one_run(bench, "warmup", TARGETS))
     print(f"  done in {seconds:.1f}s")
@@ -752,38 +464,8 @@ def benchmark(args: argparse.Namespace, layout: Layout) -> None:
     print_report(runs, runs[0].file_size, report_context)
 
 
-def cleanup(layout: Layout, keep: bool) -> None:
-    """Unmount, free the RAM, and remove the files; the daemon's log in run/ stays."""
-    unmount(layout)
-    for d in (layout.tmpfs, layout.cache):
-        shutil.rmtree(d, ignore_errors=True)
-    if is_mounted(layout.mountpoint):
-        print(f"left {layout.workdir} in place: {layout.mountpoint} is still mounted")
-        return
-    if not keep:
-        for d in (layout.backing, layout.disk, layout.mountpoint):
-            shutil.rmtree(d, ignore_errors=True)
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    layout: Layout | None = None
-    try:
-        layout = make_layout(args.workdir)
-        benchmark(args, layout)
-        return 0
-    except (BenchError, ConfigError) as exc:
-        print(f"bench: error: {exc}", file=sys.stderr)
-        if layout is not None:
-            for log in daemon_log(layout):
-                print(f"bench: daemon log: {log}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("bench: interrupted; unmounting and cleaning up", file=sys.stderr)
-        return 130
-    finally:
-        if layout is not None:
-            cleanup(layout, args.keep)
+    return run_mounted("bench", parse_args(argv), benchmark)
 
 
 if __name__ == "__main__":

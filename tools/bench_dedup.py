@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import threading
@@ -52,24 +51,27 @@ from typing import Any
 import torch
 import xxhash
 from ckptfs.fs.chunking import plan_chunks
-from ckptfs.fs.config import ConfigError, load_config, parse_size
+from ckptfs.fs.config import load_config
 from ckptfs.fs.manifest import MAGIC
 
-from .bench import (
+from .benchlib import (
     GIB,
     MIB,
     N_LAYER,
     BenchError,
     Layout,
     build_state_dict,
-    check_memory,
+    cache_size_for,
     ckptfs,
-    cleanup,
-    daemon_log,
-    make_layout,
+    fsync_path,
+    machine,
+    markdown_lines,
     mount,
+    print_lines,
+    run_mounted,
     save,
     stat_json,
+    table_lines,
     timed,
     unmount,
     wait_durable,
@@ -381,14 +383,6 @@ def hash_rate(buf: bytearray, threads: int) -> float:
     return statistics.median(times)
 
 
-def fsync_path(path: Path, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_fsync(buf: bytearray, path: Path) -> float:
     """Seconds to write ``buf`` sequentially to a new file, fsync it and its directory."""
     view = memoryview(buf)
@@ -473,18 +467,9 @@ def print_table(
     header: tuple[str, ...], rows: list[tuple[str, ...]], align: str, context: list[str]
 ) -> list[str]:
     """Print a plain table; return its markdown lines."""
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for r in [header, *rows]:
-        cells = [
-            f"{c:<{w}}" if a == "l" else f"{c:>{w}}"
-            for c, w, a in zip(r, widths, align, strict=True)
-        ]
-        print("  ".join(cells).rstrip())
+    print_lines(table_lines(header, rows, align))
     md = [f"- {line}" for line in context] + ([""] if context else [])
-    md.append("| " + " | ".join(header) + " |")
-    md.append("| " + " | ".join("---" if a == "l" else "---:" for a in align) + " |")
-    md += ["| " + " | ".join(r) + " |" for r in rows]
-    return md
+    return md + markdown_lines(header, rows, align)
 
 
 CHECKPOINT_HEADER = (
@@ -612,8 +597,7 @@ def report(
 ) -> None:
     markdown: list[str] = []
     print()
-    for line in context:
-        print(line)
+    print_lines(context)
     print()
     rows = checkpoint_rows(cps)
     markdown += print_table(CHECKPOINT_HEADER, rows, "l" + "r" * 11, context)
@@ -632,8 +616,7 @@ def report(
             f"chunk_size from offset 0 would store {100 * fixed / size:.1f}%"
         )
     print()
-    for line in summary:
-        print(line)
+    print_lines(summary)
     markdown += [""] + [f"- {line}" for line in summary]
 
     print()
@@ -668,8 +651,7 @@ def report(
             "with the first for the CPU and the disk; --wait poll avoids it"
         )
     print()
-    for line in ratios:
-        print(line)
+    print_lines(ratios)
     markdown += [""] + [f"- {line}" for line in ratios]
     print("\nMarkdown:\n")
     print("\n".join(markdown))
@@ -683,7 +665,6 @@ def context_lines(
     config: Any,
     args: argparse.Namespace,
 ) -> list[str]:
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     nbytes, trainable = job.nbytes, job.trainable_bytes
     waits = [cp.wait_s for cp in cps]
     how = (
@@ -699,8 +680,7 @@ def context_lines(
         f"the other {100 * (nbytes - trainable) / nbytes:.1f}% frozen",
         "every checkpoint adds a key (`step`, one more `optimizer.param_groups.<n>`): "
         "the pickle (written before the tensors) grows and every tensor moves",
-        f"machine: {os.cpu_count()} CPUs, {mem / GIB:.0f} GiB RAM, Linux {platform.release()}, "
-        f"torch {torch.__version__}, xxhash {xxhash.VERSION}",
+        f"machine: {machine()}, torch {torch.__version__}, xxhash {xxhash.VERSION}",
         f"ckptfs: chunk_size {config.chunk_size >> 20} MiB, flush.workers {config.flush_workers}, "
         f"durability {status['durability']}, backing dir {layout.backing} (local disk), "
         f"cache {status['cache']['capacity'] >> 20} MiB in {layout.cache}",
@@ -760,8 +740,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def benchmark(args: argparse.Namespace, layout: Layout) -> None:
     size = int(args.size_gib * GIB)
-    cache_size = args.cache_size or str(int(1.5 * size) + 256 * MIB)
-    check_memory(size, parse_size(cache_size, "--cache-size", allow_percent=True))
+    cache_size = cache_size_for(args.cache_size, size)
     # The daemon reads the same file and environment, so this is its chunk_size.
     config = load_config(args.config)
 
@@ -801,24 +780,7 @@ def benchmark(args: argparse.Namespace, layout: Layout) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    layout: Layout | None = None
-    try:
-        layout = make_layout(args.workdir)
-        benchmark(args, layout)
-        return 0
-    except (BenchError, ConfigError) as exc:
-        print(f"bench_dedup: error: {exc}", file=sys.stderr)
-        if layout is not None:
-            for log in daemon_log(layout):
-                print(f"bench_dedup: daemon log: {log}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("bench_dedup: interrupted; unmounting and cleaning up", file=sys.stderr)
-        return 130
-    finally:
-        if layout is not None:
-            cleanup(layout, args.keep)
+    return run_mounted("bench_dedup", parse_args(argv), benchmark)
 
 
 if __name__ == "__main__":

@@ -33,9 +33,7 @@ import bisect
 import errno
 import functools
 import json
-import mmap
 import os
-import platform
 import resource
 import shutil
 import stat
@@ -54,18 +52,26 @@ from typing import Any, TypeVar
 import pyfuse3
 import trio
 
-MIB = 1 << 20
-GIB = 1 << 30
+from .benchlib import (
+    GIB,
+    MIB,
+    UNMOUNT_TIMEOUT,
+    BenchError,
+    Rewarm,
+    available_memory,
+    detach,
+    is_mounted,
+    machine,
+    markdown_lines,
+    meminfo,
+    print_lines,
+    table_lines,
+)
+
 HANDLERS = ("noop", "copy-inline", "copy-thread")
 MOUNT_TIMEOUT = 120.0
-UNMOUNT_TIMEOUT = 30.0
 CHILD_EXIT_TIMEOUT = 15.0
-TOUCH_CHUNK = 64 * MIB
 T = TypeVar("T")
-
-
-class BenchError(Exception):
-    pass
 
 
 # ===== the filesystem (runs in the child) ==========================================
@@ -449,42 +455,6 @@ class Result:
     sizes: Counter[int] = field(default_factory=Counter)
 
 
-def meminfo() -> dict[str, int]:
-    values: dict[str, int] = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            fields = rest.split()
-            if fields and fields[0].isdigit():
-                values[name] = int(fields[0]) * 1024
-    return values
-
-
-def touch_memory(want: int, margin: int) -> tuple[int, float]:
-    """Write to ``want`` bytes of new anonymous memory, hold it all, free it.
-
-    Never lets MemFree drop below ``margin``: beyond MemFree the kernel would
-    only reclaim page cache (pages the VM has touched already)."""
-    maps: list[mmap.mmap] = []
-    block = b"\xa5" * TOUCH_CHUNK
-    touched = 0
-    start = time.perf_counter()
-    try:
-        while touched < want:
-            n = min(4 * TOUCH_CHUNK, want - touched)
-            if meminfo()["MemFree"] - n < margin:
-                break
-            m = mmap.mmap(-1, n)
-            for off in range(0, n, TOUCH_CHUNK):
-                m[off : off + min(TOUCH_CHUNK, n - off)] = block[: min(TOUCH_CHUNK, n - off)]
-            maps.append(m)
-            touched += n
-    finally:
-        for m in maps:
-            m.close()
-    return touched, time.perf_counter() - start
-
-
 def cpu_busy_s() -> float:
     """Busy CPU time of the whole machine so far (all CPUs), from /proc/stat."""
     with open("/proc/stat") as f:
@@ -498,11 +468,6 @@ def process_cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         rest = f.read().rsplit(")", 1)[1].split()
     return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def is_mounted(path: Path) -> bool:
-    with open("/proc/self/mounts") as mounts:
-        return any(line.split()[1] == str(path) for line in mounts)
 
 
 def bdi_settings(path: Path) -> str:
@@ -522,28 +487,16 @@ class Driver:
         self.size = args.size_mib * MIB
         self.workdir = workdir  # on tmpfs: the baseline, the backing files and the stats
         self.mountpoint = Path(tempfile.mkdtemp(prefix="ckptfs-bench-fuse-mnt-"))
-        self.rewarm = 0 if args.no_rewarm else 2 * self.size
-        self.margin = max(GIB, meminfo()["MemTotal"] // 16)
-        self.rewarm_s: list[float] = []
-        self.rewarm_short: list[int] = []
+        self.rewarm = Rewarm(0 if args.no_rewarm else 2 * self.size)
         self.write_timeout = max(120.0, self.size / 5e6)
         self.bdi = ""
 
     def cleanup(self) -> None:
-        if is_mounted(self.mountpoint):
-            subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], check=False)
+        detach(self.mountpoint, "bench_fuse")
         try:
             self.mountpoint.rmdir()
         except OSError as exc:
             print(f"bench_fuse: warning: left {self.mountpoint}: {exc}", file=sys.stderr)
-
-    def prepare(self) -> None:
-        if not self.rewarm:
-            return
-        touched, seconds = touch_memory(self.rewarm, self.margin)
-        self.rewarm_s.append(seconds)
-        if touched < self.rewarm:
-            self.rewarm_short.append(touched)
 
     def run_writer(self, path: Path, daemon_pid: int | None) -> dict[str, Any]:
         cmd = [sys.executable, "-m", "ckptfs.tools.bench_fuse", "_write", str(path)]
@@ -566,7 +519,7 @@ class Driver:
         return json.loads(done.stdout)
 
     def measure(self, path: Path, daemon_pid: int | None) -> tuple[Result, dict[str, Any]]:
-        self.prepare()
+        self.rewarm()
         w = self.run_writer(path, daemon_pid)
         writer_cpu = w["user_s"] + w["sys_s"]
         result = Result(w["total_s"], w["loop_s"], w["close_s"], writer_cpu)
@@ -676,13 +629,7 @@ class Driver:
 
 def stop_child(child: subprocess.Popen[str], mountpoint: Path) -> None:
     """Lazy-unmount if still mounted, then make sure the daemon is gone; never raises."""
-    if is_mounted(mountpoint):
-        try:
-            subprocess.run(
-                ["fusermount3", "-u", "-z", str(mountpoint)], timeout=UNMOUNT_TIMEOUT, check=False
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            print(f"bench_fuse: warning: fusermount3 -u -z: {exc}", file=sys.stderr)
+    detach(mountpoint, "bench_fuse")
     if child.poll() is None:
         for stop in (child.terminate, child.kill):
             stop()
@@ -779,22 +726,6 @@ def histogram_rows(results: dict[Variant, list[Result]]) -> list[list[str]]:
     return rows
 
 
-def print_table(header: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for r in [header, *rows]:
-        cells = [f"{r[0]:<{widths[0]}}"] + [
-            f"{c:>{w}}" for c, w in zip(r[1:], widths[1:], strict=True)
-        ]
-        print("  ".join(cells))
-
-
-def print_markdown(header: list[str], rows: list[list[str]]) -> None:
-    print("| " + " | ".join(header) + " |")
-    print("| --- |" + " ---: |" * (len(header) - 1))
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
-
-
 def report(
     driver: Driver, results: dict[Variant, list[Result]], runs: int, orders: list[str]
 ) -> None:
@@ -806,8 +737,8 @@ def report(
     context = [
         f"{size >> 20} MiB per write test, 1 MiB os.write() calls + close from a separate "
         f"process, timed from open until close returned; {runs} run(s), median reported",
-        f"machine: {os.cpu_count()} CPUs, {meminfo()['MemTotal'] / GIB:.0f} GiB RAM, "
-        f"Linux {platform.release()}, pyfuse3 {pyfuse3.__version__}, trio {trio.__version__}, "
+        f"machine: {machine(meminfo()['MemTotal'])}, "
+        f"pyfuse3 {pyfuse3.__version__}, trio {trio.__version__}, "
         f"/proc/sys/fs/fuse/max_pages_limit {read_text('/proc/sys/fs/fuse/max_pages_limit')}, "
         f"vm.dirty_ratio {read_text('/proc/sys/vm/dirty_ratio')}, FUSE bdi: {driver.bdi}",
         "copy handlers pwrite into a pre-faulted tmpfs file; a fresh mount per (run, variant); "
@@ -818,13 +749,14 @@ def report(
         "ones in copy-thread count twice); other = the whole machine's busy time minus "
         "writer and daemon (kernel writeback workers, interrupts, other processes)",
     ]
-    if driver.rewarm:
+    rewarm = driver.rewarm
+    if rewarm.size:
         line = (
-            f"before every timed write: touched and freed {driver.rewarm / GIB:.2f} GiB of "
-            f"anonymous memory (median {statistics.median(driver.rewarm_s):.2f}s, untimed)"
+            f"before every timed write: touched and freed {rewarm.size / GIB:.2f} GiB of "
+            f"anonymous memory (median {statistics.median(rewarm.seconds):.2f}s, untimed)"
         )
-        if driver.rewarm_short:
-            line += f"; MemFree allowed only {min(driver.rewarm_short) / GIB:.2f} GiB at times"
+        if rewarm.short:
+            line += f"; MemFree allowed only {min(rewarm.short) / GIB:.2f} GiB at times"
         context.append(line)
     else:
         context.append("no memory touched before the timed writes (--no-rewarm)")
@@ -836,22 +768,20 @@ def report(
     top = ", ".join(f"{k} B x {v}" for k, v in exact.most_common(8))
 
     print()
-    for line in context:
-        print(line)
+    print_lines(context)
     print()
-    print_table(HEADER, rows)
+    print_lines(table_lines(HEADER, rows))
     print()
     print("write request sizes the handler saw (all runs):")
-    print_table(hist_header, hist)
+    print_lines(table_lines(hist_header, hist))
     print(f"most common exact sizes, {first.label}: {top}")
 
     print("\nMarkdown:\n")
-    for line in context:
-        print(f"- {line}")
+    print_lines(context, bullet="- ")
     print()
-    print_markdown(HEADER, rows)
+    print_lines(markdown_lines(HEADER, rows))
     print()
-    print_markdown(hist_header, hist)
+    print_lines(markdown_lines(hist_header, hist))
     print()
     print(f"Most common exact request sizes, {first.label}: {top}")
 
@@ -888,7 +818,7 @@ def benchmark(args: argparse.Namespace) -> None:
     # A pre-faulted backing file, the page cache of the written file, the baseline
     # copy and the re-touched memory can all be resident at once.
     need = 4 * size + GIB
-    have = meminfo()["MemAvailable"]
+    have = available_memory()
     if have < need:
         raise BenchError(f"needs about {need / GIB:.1f} GiB of memory, {have / GIB:.1f} available")
     if not shutil.which("fusermount3"):

@@ -121,8 +121,12 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def readdir(self, fh: int, start_id: int, token: Any) -> None:
-        for i, (name, attr) in enumerate(await self.fs.readdir(fh, start_id)):
+        entries = await self.fs.readdir(fh, start_id)
+        for i, (name, attr) in enumerate(entries):
             if not pyfuse3.readdir_reply(token, os.fsencode(name), entry(attr), start_id + i + 1):
+                # The kernel's buffer is full: it holds no reference to these yet.
+                for _, unsent in entries[i:]:
+                    self.fs.forget(unsent.ino, 0)
                 break
             self.fs.inodes[attr.ino].nlookup += 1
 

@@ -180,3 +180,14 @@ def test_concurrent_readers(mounted):
     for t in threads:
         t.join(60)
     assert results == [True] * 6
+
+
+def test_large_directory_listing_is_complete_and_stable(mounted):
+    d = mounted.mnt / "many"
+    d.mkdir()
+    names = {f"rank-{i:05d}.pt" for i in range(1500)}  # more than one readdir buffer
+    for name in names:
+        (mounted.backing / "many" / name).write_bytes(b"")  # plain files, made fast
+    assert set(os.listdir(d)) == names
+    assert set(os.listdir(d)) == names
+    assert all((d / n).stat().st_size == 0 for n in list(names)[:50])

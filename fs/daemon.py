@@ -266,6 +266,9 @@ class Daemon:
         ]
         if not keep or not hits:
             return
+        checkpoint_dir = "/".join(parts[: hits[-1] + 1])
+        if any(f.state != DURABLE for f in self.fs.files_under(checkpoint_dir)):
+            return  # apply_retention waits for the whole directory: walk once, at its end
         root = self.backing_root.joinpath(*parts[: hits[-1]])
         audit = self.config.retention_audit_log or (
             self.backing_root / CKPTFS_DIR / "retention.log"

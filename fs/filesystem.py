@@ -603,9 +603,9 @@ class FileSystem:
         """mknod of a regular file: create it empty and commit it."""
         if not stat.S_ISREG(mode):
             raise FsError(errno.EPERM, "only regular files can be created")
-        fh, _ = await self.create(parent, name, mode, os.O_WRONLY, uid, gid)
+        fh, attr = await self.create(parent, name, mode, os.O_WRONLY, uid, gid)
         await self.release(fh)
-        return await self.getattr(self.inodes.child(parent, name).ino)  # type: ignore[union-attr]
+        return attr
 
     def files_under(self, prefix: str) -> list[CachedFile]:
         return [

@@ -33,14 +33,18 @@ class CliError(Exception):
     pass
 
 
+# Mount flags that set config keys: (flag, argparse dest, config key, is a path).
+MOUNT_FLAGS = [
+    ("--backing", "backing", "backing", True),
+    ("--cache-size", "cache_size", "cache.size", False),
+    ("--cache-dir", "cache_dir", "cache.dir", True),
+    ("--durability", "durability", "durability", False),
+    ("--node", "node", "node", False),
+]
+
+
 def _mount_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "backing": args.backing,
-        "cache.size": args.cache_size,
-        "cache.dir": args.cache_dir,
-        "durability": args.durability,
-        "node": args.node,
-    }
+    return {key: getattr(args, dest) for _, dest, key, _ in MOUNT_FLAGS}
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
@@ -61,19 +65,13 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 def _spawn_daemon(args: argparse.Namespace, mountpoint: Path, run_dir: Path, log_file: Path) -> int:
     argv = [sys.executable, "-m", "ckptfs", "mount", str(mountpoint), "--foreground"]
-    for flag, value in (
-        ("--backing", args.backing),
-        ("--config", args.config),
-        ("--cache-size", args.cache_size),
-        ("--cache-dir", args.cache_dir),
-        ("--durability", args.durability),
-        ("--node", args.node),
-    ):
+    # The daemon runs with cwd "/": relative paths are resolved here.
+    if args.config is not None:
+        argv += ["--config", str(Path(args.config).resolve())]
+    for flag, dest, _, is_path in MOUNT_FLAGS:
+        value = getattr(args, dest)
         if value is not None:
-            argv += [
-                flag,
-                str(Path(value).resolve()) if flag in ("--backing", "--config") else value,
-            ]
+            argv += [flag, str(Path(value).resolve()) if is_path else value]
     run_dir.mkdir(parents=True, exist_ok=True)
     log_file.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "CKPTFS_DAEMONIZED": "1", "CKPTFS_RUN_DIR": str(run_dir)}

@@ -13,4 +13,7 @@ $SUDO apt-get install -y -qq fuse3 libfuse3-dev pkg-config >/dev/null
 # torch first and pinned: a bare "torch" requirement would pull a CUDA build.
 .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+# Real framework code for the tests (Lightning, HF Trainer, safetensors); pinned,
+# and torch==2.13.0 is listed there too so pip fails rather than replace it.
+.venv/bin/pip install -q --disable-pip-version-check -r tests/requirements-frameworks.txt
 echo "ckptfs installed: $(.venv/bin/ckptfs --help >/dev/null && echo .venv/bin/ckptfs)"

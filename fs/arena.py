@@ -7,15 +7,21 @@ so the warmest first) and never given back to the kernel, and a background
 pass writes zeros into slots that were never touched, so a checkpoint does not
 pay the first-touch cost. Because the file lives in tmpfs it also survives a
 daemon restart, which is how dirty data outlives a daemon crash.
+
+Worker threads (flusher, spiller, chunk fetches) read and fill slots through
+a shared mapping of the file, without copying. While a thread uses a slot it
+holds a pin; releasing a pinned slot is deferred until the last pin goes, so
+a slot is never handed to another file while a thread still reads it.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections import deque
 from pathlib import Path
 
-SLOT_SIZE = 1 << 20  # one FUSE request; see docs/DESIGN-NOTES.md
+SLOT_SIZE = 1 << 20  # one FUSE request
 _ZEROS = bytes(SLOT_SIZE)
 
 
@@ -24,17 +30,21 @@ class Arena:
         self.path = path
         self.slot_size = slot_size
         self.nslots = max(1, capacity // slot_size)
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         # Keep a larger existing arena: its slots may hold dirty data of a
         # previous daemon that is about to be adopted.
         current = os.fstat(self.fd).st_size
         self.nslots = max(self.nslots, current // slot_size)
         os.ftruncate(self.fd, self.nslots * slot_size)
+        self._map = mmap.mmap(self.fd, self.nslots * slot_size, mmap.MAP_SHARED)
+        self.view = memoryview(self._map)
         # Free list: appendright on release, pop from the right on allocation
         # (warm slots first); the never-touched end on the left is what the
         # pre-fault pass takes, and it hands them back on the right.
         self._free: deque[int] = deque(range(self.nslots - 1, -1, -1))
         self._prefaulting = 0
+        self._pins: dict[int, int] = {}
+        self._release_on_unpin: set[int] = set()
 
     @property
     def capacity(self) -> int:
@@ -44,6 +54,10 @@ class Arena:
     def used_slots(self) -> int:
         return self.nslots - len(self._free) - self._prefaulting
 
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
     def claim(self, slots: set[int]) -> None:
         """Mark slots adopted from a previous daemon as in use."""
         self._free = deque(s for s in self._free if s not in slots)
@@ -52,10 +66,41 @@ class Arena:
         return self._free.pop() if self._free else None
 
     def release(self, slot: int) -> None:
-        self._free.append(slot)
+        if slot in self._pins:
+            self._release_on_unpin.add(slot)
+        else:
+            self._free.append(slot)
+
+    def pin(self, slot: int) -> None:
+        self._pins[slot] = self._pins.get(slot, 0) + 1
+
+    def unpin(self, slot: int) -> None:
+        left = self._pins[slot] - 1
+        if left:
+            self._pins[slot] = left
+            return
+        del self._pins[slot]
+        if slot in self._release_on_unpin:
+            self._release_on_unpin.discard(slot)
+            self._free.append(slot)
+
+    def pinned(self, slot: int) -> bool:
+        return slot in self._pins
+
+    def slot_view(self, slot: int, offset: int = 0, length: int | None = None) -> memoryview:
+        """A view of a slot's bytes, for threads holding a pin on it."""
+        start = slot * self.slot_size + offset
+        end = (slot + 1) * self.slot_size if length is None else start + length
+        return self.view[start:end]
 
     def write(self, slot: int, offset: int, data: bytes | memoryview) -> None:
         os.pwrite(self.fd, data, slot * self.slot_size + offset)
+
+    def copy(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` bytes of slot ``src`` to slot ``dst``."""
+        if length:
+            start, end = src * self.slot_size, dst * self.slot_size
+            self.view[end : end + length] = self.view[start : start + length]
 
     def zero(self, slot: int, start: int, end: int) -> None:
         if end > start:
@@ -99,4 +144,9 @@ class Arena:
         return os.lseek(self.fd, start, os.SEEK_HOLE) >= start + self.slot_size
 
     def close(self) -> None:
+        try:
+            self.view.release()
+            self._map.close()
+        except BufferError:
+            pass  # a view is still exported (a thread abandoned at shutdown)
         os.close(self.fd)

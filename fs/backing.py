@@ -1,8 +1,10 @@
 """The namespace in the backing directory: names, directories and manifests.
 
 Every call runs in a worker thread under the backing-store timeout (see
-blocking.py). Paths are relative to the backing root (``""`` is the root);
-the ``.ckptfs`` directory and temporary names are hidden.
+blocking.py). Paths are relative to the backing root (``""`` is the root) and
+every call is made relative to a directory fd of the root, so a path near
+PATH_MAX inside the mount still works although the backing root is longer
+than the mountpoint. The ``.ckptfs`` directory and temporary names are hidden.
 """
 
 from __future__ import annotations
@@ -13,9 +15,16 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from .blocking import BackingIO
+from .blocking import BackingIO, Call
 from .chunkstore import CKPTFS_DIR
-from .manifest import Manifest, ManifestError, is_tmp_name, read_manifest, write_manifest
+from .manifest import (
+    Manifest,
+    ManifestError,
+    is_tmp_name,
+    open_dir,
+    read_manifest,
+    write_manifest,
+)
 
 
 @dataclass
@@ -37,110 +46,157 @@ def hidden(rel_dir: str, name: str) -> bool:
     return (rel_dir == "" and name == CKPTFS_DIR) or is_tmp_name(name)
 
 
-def _entry_at(path: Path) -> Entry:
-    st = os.lstat(path)
+def _entry_at(root: int, rel: str) -> Entry:
+    st = os.stat(rel or ".", dir_fd=root, follow_symlinks=False)
     if stat.S_ISDIR(st.st_mode):
         return Entry("dir", st)
     if stat.S_ISLNK(st.st_mode):
         return Entry("symlink", st)
     if stat.S_ISREG(st.st_mode):
         try:
-            manifest = read_manifest(path)
+            manifest = read_manifest(rel, dir_fd=root)
         except ManifestError as exc:
             raise OSError(errno.EIO, f"unreadable manifest: {exc}") from None
         return Entry("file", st, manifest) if manifest else Entry("plain", st)
     return Entry("plain", st)
 
 
-def _list(path: Path, rel: str) -> list[tuple[str, Entry]]:
-    entries = []
-    for name in sorted(os.listdir(path)):
-        if hidden(rel, name):
-            continue
-        try:
-            entries.append((name, _entry_at(path / name)))
-        except FileNotFoundError:  # removed meanwhile (another node)
-            continue
-    return entries
-
-
-def _rmdir(path: Path) -> None:
+def _list(root: int, rel: str) -> list[tuple[str, Entry]]:
+    dfd = open_dir(rel, root)
     try:
-        os.rmdir(path)
+        names = sorted(os.listdir(dfd))
+        entries = []
+        for name in names:
+            if hidden(rel, name):
+                continue
+            try:
+                entries.append((name, _entry_at(dfd, name)))
+            except FileNotFoundError:  # removed meanwhile (another node)
+                continue
+        return entries
+    finally:
+        os.close(dfd)
+
+
+def _rmdir(root: int, rel: str) -> None:
+    try:
+        os.rmdir(rel, dir_fd=root)
     except OSError as exc:
         if exc.errno != errno.ENOTEMPTY:
             raise
         # Leftover temporary files of an interrupted manifest write are not
         # visible through the mount and must not make rmdir fail.
-        names = os.listdir(path)
-        if not names or not all(is_tmp_name(n) for n in names):
-            raise
-        for name in names:
-            os.unlink(path / name)
-        os.rmdir(path)
+        dfd = open_dir(rel, root)
+        try:
+            names = os.listdir(dfd)
+            if not names or not all(is_tmp_name(n) for n in names):
+                raise
+            for name in names:
+                os.unlink(name, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+        os.rmdir(rel, dir_fd=root)
+
+
+def _close_quietly(fd: int | None) -> None:
+    if fd is None:
+        return
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 class Backing:
     def __init__(self, root: Path, io: BackingIO) -> None:
         self.root = root
         self.io = io
+        # Opened once at mount; the root itself never moves.
+        self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.umask = os.umask(0)
+        os.umask(self.umask)
 
-    def abs(self, rel: str) -> Path:
-        return self.root / rel if rel else self.root
+    def close(self) -> None:
+        os.close(self.root_fd)
 
     async def entry(self, rel: str) -> Entry:
-        return await self.io.run(_entry_at, self.abs(rel), what=f"stat {rel or '/'}")
+        return await self.io.run(_entry_at, self.root_fd, rel, what=f"stat {rel or '/'}")
 
     async def listdir(self, rel: str) -> list[tuple[str, Entry]]:
-        return await self.io.run(_list, self.abs(rel), rel, what=f"readdir {rel or '/'}")
+        return await self.io.run(_list, self.root_fd, rel, what=f"readdir {rel or '/'}")
 
     async def manifest(self, rel: str) -> Manifest | None:
-        return await self.io.run(read_manifest, self.abs(rel), what=f"read manifest {rel}")
+        return await self.io.run(
+            lambda: read_manifest(rel, dir_fd=self.root_fd), what=f"read manifest {rel}"
+        )
 
-    async def write_manifest(self, rel: str, manifest: Manifest) -> None:
-        await self.io.run(write_manifest, self.abs(rel), manifest, what=f"write manifest {rel}")
+    async def write_manifest(self, rel: str, manifest: Manifest, owner: tuple[int, int]) -> None:
+        def write(call: Call[None]) -> None:
+            write_manifest(
+                rel, manifest, dir_fd=self.root_fd, owner=owner, abandoned=call.abandoned
+            )
+
+        await self.io.run(write, what=f"write manifest {rel}", with_call=True)
 
     async def mkdir(self, rel: str, mode: int) -> None:
-        await self.io.run(os.mkdir, self.abs(rel), mode, what=f"mkdir {rel}")
+        def mkdir() -> None:
+            os.mkdir(rel, mode, dir_fd=self.root_fd)
+            if mode & (self.umask | 0o7000):  # the caller's mode, not the daemon's umask
+                os.chmod(rel, mode, dir_fd=self.root_fd)
+
+        await self.io.run(mkdir, what=f"mkdir {rel}")
 
     async def rmdir(self, rel: str) -> None:
-        await self.io.run(_rmdir, self.abs(rel), what=f"rmdir {rel}")
+        await self.io.run(_rmdir, self.root_fd, rel, what=f"rmdir {rel}")
 
     async def unlink(self, rel: str) -> None:
-        await self.io.run(os.unlink, self.abs(rel), what=f"unlink {rel}")
+        await self.io.run(lambda: os.unlink(rel, dir_fd=self.root_fd), what=f"unlink {rel}")
 
     async def rename(self, old: str, new: str) -> None:
-        await self.io.run(os.rename, self.abs(old), self.abs(new), what=f"rename {old} -> {new}")
+        def rename() -> None:
+            os.rename(old, new, src_dir_fd=self.root_fd, dst_dir_fd=self.root_fd)
+
+        await self.io.run(rename, what=f"rename {old} -> {new}")
 
     async def symlink(self, target: bytes, rel: str) -> None:
-        await self.io.run(os.symlink, target, self.abs(rel), what=f"symlink {rel}")
+        await self.io.run(
+            lambda: os.symlink(target, rel, dir_fd=self.root_fd), what=f"symlink {rel}"
+        )
 
     async def readlink(self, rel: str) -> bytes:
-        return await self.io.run(os.readlink, os.fsencode(self.abs(rel)), what=f"readlink {rel}")
+        return await self.io.run(
+            lambda: os.readlink(os.fsencode(rel), dir_fd=self.root_fd), what=f"readlink {rel}"
+        )
 
     async def chmod(self, rel: str, mode: int) -> None:
-        await self.io.run(os.chmod, self.abs(rel), mode, what=f"chmod {rel}")
+        # Only for directories and plain files (symlinks have no mode of their own).
+        await self.io.run(lambda: os.chmod(rel, mode, dir_fd=self.root_fd), what=f"chmod {rel}")
 
     async def chown(self, rel: str, uid: int, gid: int) -> None:
-        await self.io.run(os.lchown, self.abs(rel), uid, gid, what=f"chown {rel}")
+        def chown() -> None:
+            os.chown(rel or ".", uid, gid, dir_fd=self.root_fd, follow_symlinks=False)
+
+        await self.io.run(chown, what=f"chown {rel}")
 
     async def utime(self, rel: str, atime_ns: int, mtime_ns: int) -> None:
         def utime() -> None:
-            os.utime(self.abs(rel), ns=(atime_ns, mtime_ns), follow_symlinks=False)
+            os.utime(
+                rel or ".", ns=(atime_ns, mtime_ns), dir_fd=self.root_fd, follow_symlinks=False
+            )
 
         await self.io.run(utime, what=f"utime {rel}")
 
-    async def truncate(self, rel: str, size: int) -> None:
-        await self.io.run(os.truncate, self.abs(rel), size, what=f"truncate {rel}")
-
     async def open_plain(self, rel: str) -> int:
-        return await self.io.run(os.open, self.abs(rel), os.O_RDONLY, what=f"open {rel}")
+        def open_() -> int:
+            return os.open(rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.root_fd)
+
+        return await self.io.run(open_, what=f"open {rel}", late=_close_quietly)
 
     async def pread(self, fd: int, size: int, off: int, rel: str) -> bytes:
         return await self.io.run(os.pread, fd, size, off, what=f"read {rel}")
 
     async def close_fd(self, fd: int) -> None:
-        await self.io.run(os.close, fd, what="close")
+        await self.io.run(os.close, fd, what="close", essential=True)
 
     async def statvfs(self) -> os.statvfs_result:
-        return await self.io.run(os.statvfs, self.root, what="statfs")
+        return await self.io.run(os.fstatvfs, self.root_fd, what="statfs")

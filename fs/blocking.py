@@ -4,23 +4,69 @@ Any call that touches NFS can hang. It runs in a worker thread under a time
 limit; a thread stuck in the kernel cannot be cancelled, so the number of such
 threads is bounded and the store's health (normal / slow / down) is tracked,
 both for `ckptfs stat` and so that callers stop piling requests onto it.
+
+A call the loop gave up on still runs to its end in its thread. Two things
+make that safe: ``late`` releases whatever the call holds once it ends (an fd
+opened after its caller left, pins on arena slots), and ``Call.abandoned``
+lets the function see, before an irreversible step (a manifest rename), that
+nobody is waiting any more.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import trio
 
 T = TypeVar("T")
 log = logging.getLogger("ckptfs.backing")
+DOWN_PROBE_INTERVAL = 5.0
 
 
 class BackingTimeout(OSError):
     pass
+
+
+class Call(Generic[T]):
+    """One blocking call, shared between the loop and its thread.
+
+    ``late`` runs exactly once if the loop abandoned the call (timeout or
+    cancellation), in a thread, once the call has ended: with its result, or
+    None if it failed. It releases what the call holds (an fd opened too late,
+    pins on arena slots a thread was filling).
+    """
+
+    def __init__(self, late: Callable[[T | None], None] | None) -> None:
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._finished = False
+        self._result: T | None = None
+        self._late = late
+
+    def abandoned(self) -> bool:
+        with self._lock:
+            return self._abandoned
+
+    def finish(self, result: T | None) -> None:
+        """In the thread, when the call ends (result None on failure)."""
+        with self._lock:
+            late = self._abandoned
+            self._finished, self._result = True, result
+        if late and self._late is not None:
+            self._late(result)
+
+    def abandon(self) -> None:
+        """On the loop: give up. A call that ended meanwhile is released here."""
+        with self._lock:
+            self._abandoned = True
+            ended = self._finished
+        if ended and self._late is not None:
+            # Releasing may block (close on NFS): never on the loop.
+            threading.Thread(target=self._late, args=(self._result,), daemon=True).start()
 
 
 class BackingIO:
@@ -32,27 +78,64 @@ class BackingIO:
         self.timeouts = 0
         self._last_ok = time.monotonic()
 
-    async def run(self, fn: Callable[..., T], *args: object, what: str = "") -> T:
-        if self.health == "down" and time.monotonic() - self._last_ok < 5:
+    async def run(
+        self,
+        fn: Callable[..., T],
+        *args: object,
+        what: str = "",
+        late: Callable[[T | None], None] | None = None,
+        essential: bool = False,
+        with_call: bool = False,
+        call: Call[T] | None = None,
+    ) -> T:
+        """``fn(*args)`` in a thread under the timeout.
+
+        ``essential`` calls (closing an fd) are attempted even while the store
+        is known to be down, since skipping them leaks. With ``with_call`` the
+        function receives the :class:`Call` as its first argument. Passing
+        ``call`` lets the caller ask afterwards whether it was abandoned.
+        """
+        label = what or getattr(fn, "__name__", "call")
+        if (
+            not essential
+            and self.health == "down"
+            and time.monotonic() - self._last_ok < DOWN_PROBE_INTERVAL
+        ):
             # Fail fast while the store is known down, but probe again every 5 s.
-            raise BackingTimeout(f"backing store is down ({what or fn.__name__})")
+            raise BackingTimeout(f"backing store is down ({label})")
+        if call is None:
+            call = Call(late)
+
+        def body() -> T:
+            try:
+                result = fn(call, *args) if with_call else fn(*args)
+            except BaseException:
+                call.finish(None)
+                raise
+            call.finish(result)
+            return result
+
         start = time.monotonic()
         try:
             with trio.fail_after(self.timeout):
-                result = await trio.to_thread.run_sync(
-                    fn, *args, limiter=self.limiter, abandon_on_cancel=True
-                )
+                try:
+                    result = await trio.to_thread.run_sync(
+                        body, limiter=self.limiter, abandon_on_cancel=True
+                    )
+                except trio.Cancelled:
+                    call.abandon()  # the thread runs on; ``late`` releases what it holds
+                    raise
         except trio.TooSlowError:
             self.timeouts += 1
-            self._set_health("down", f"{what or fn.__name__} took over {self.timeout:.0f}s")
+            self._set_health("down", f"{label} took over {self.timeout:.0f}s")
             raise BackingTimeout(
-                f"backing store did not answer within {self.timeout:.0f}s ({what or fn.__name__})"
+                f"backing store did not answer within {self.timeout:.0f}s ({label})"
             ) from None
         elapsed = time.monotonic() - start
         self._last_ok = time.monotonic()
         if elapsed > min(5.0, self.timeout / 4):
             self.slow_calls += 1
-            self._set_health("slow", f"{what or fn.__name__} took {elapsed:.1f}s")
+            self._set_health("slow", f"{label} took {elapsed:.1f}s")
         else:
             self._set_health("normal", "")
         return result
@@ -62,6 +145,20 @@ class BackingIO:
             level = logging.INFO if health == "normal" else logging.WARNING
             log.log(level, "backing store health %s -> %s %s", self.health, health, why)
             self.health = health
+
+
+def on_loop_later(fn: Callable[..., object], *args: object) -> Callable[[object], None]:
+    """A ``late`` callback that runs ``fn(*args)`` back on this trio loop (from
+    the thread that was abandoned), or not at all if the loop has ended."""
+    token = trio.lowlevel.current_trio_token()
+
+    def late(_: object) -> None:
+        try:
+            trio.from_thread.run_sync(fn, *args, trio_token=token)
+        except trio.RunFinishedError:
+            pass
+
+    return late
 
 
 async def run_cpu(fn: Callable[..., T], *args: object, limiter: trio.CapacityLimiter) -> T:

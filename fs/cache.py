@@ -1,161 +1,188 @@
 """The RAM write-back cache: file contents in arena slots under a budget.
 
-Owns slot allocation, LRU eviction of durable files, backpressure when the
-budget is full of bytes that are not durable, and spilling of dirty pages of
-files still being written (so a file larger than the cache can be written).
-It knows nothing of FUSE, inodes or paths beyond what it logs.
+The cache owns every transition of a file's state (:class:`FileState`) and of
+its pages (:class:`PageState`); docs/STATES.md lists them, with the awaits
+each crosses and what a crash leaves behind. It also owns slot allocation,
+LRU eviction of clean bytes, backpressure when the budget is full of bytes
+that are not durable, and spilling of dirty pages of files still being
+written (so a file larger than the cache can be written). It knows nothing of
+FUSE or inodes; the backing namespace is the filesystem's.
+
+Two rules make the transitions safe across awaits:
+
+- A change (write, truncate) moves the file to MODIFIED *before* its first
+  await, and assigns a new generation to every page it changes at the moment
+  it changes it. A snapshot taken earlier is therefore recognisably stale.
+- A published version's journal record lists slots; those slots are never
+  changed or reused while the record can still be adopted: a change first
+  waits until the record is dropped; a durable, superseded or unlinked
+  version's record is rejected by recovery, so it may be dropped lazily.
 """
 
 from __future__ import annotations
 
-import functools
+import errno
 import itertools
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import trio
 
 from .arena import Arena
-from .blocking import BackingIO, run_cpu
-from .cachedfile import DURABLE, FLUSHING, LOST, CachedFile
+from .blocking import BackingIO, Call, on_loop_later, run_cpu
+from .cachedfile import CachedFile, ChunkMap, Page, Snapshot
 from .chunkstore import ChunkCorrupt, ChunkStore, chunk_hash
+from .frames import FrameCache
+from .journal import Journal, chunks_of
 from .manifest import Chunk, Manifest
+from .state import FileRole, FileState, PageState
 
 log = logging.getLogger("ckptfs.cache")
 MAX_IDLE_FILES = 4096
+# The largest file ckptfs accepts (16 TiB): larger sizes and offsets get EFBIG.
+# Memory does not depend on it (page tables are sparse); it bounds what a
+# hostile or mistaken truncate can ask of the chunk list and the store.
+MAX_FILE_SIZE = 1 << 44
+BACKPRESSURE_WARN_SECONDS = 60.0
+BACKPRESSURE_POLL = 1.0  # seconds between looks for space, besides being woken
 
 
 class FileLost(OSError):
     """The bytes of a file are gone: its holders and the backing store lack them."""
 
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.EIO, message)
+
 
 class Cache:
-    def __init__(self, arena: Arena, store: ChunkStore, io: BackingIO, hash_threads: int) -> None:
+    def __init__(
+        self,
+        arena: Arena,
+        store: ChunkStore,
+        io: BackingIO,
+        journal: Journal,
+        *,
+        node: str,
+        hash_threads: int = 2,
+    ) -> None:
         self.arena = arena
         self.store = store
         self.io = io
+        self.journal = journal
+        self.node = node
         self.page_size = arena.slot_size
+        self.frames = FrameCache(arena, store, io)
+        # The current content of every file id this node knows of.
         self.files: dict[str, CachedFile] = {}
+        # Content that no name refers to any more but is still held: open
+        # handles of an unlinked or replaced file, or a version being
+        # rewritten that still owes the backing store (a fork, see truncate).
+        self.retired: set[CachedFile] = set()
         # Set by the filesystem: whether an inode still points at a file.
         self.referenced: Callable[[CachedFile], bool] = lambda f: False
-        self.lost: dict[str, str] = {}  # path -> reason
+        # Set by the daemon: a LOCAL file became PENDING and needs flushing.
+        self.on_pending: Callable[[CachedFile], None] = lambda f: None
         self.hash_limiter = trio.CapacityLimiter(hash_threads)
+        self._gen = itertools.count(1)
         self._space_event = trio.Event()
         self.need_space = trio.Event()
+        self.dirty_pages = 0
         self.waiting_writers = 0
         self.backpressure_events = 0
         self.backpressure_seconds = 0.0
         self.evicted_bytes = 0
         self.spilled_bytes = 0
-        self._last_bp_log = 0.0
-        self._recent: OrderedDict[str, bytes] = OrderedDict()  # recently fetched chunks
-        self._inflight: dict[str, trio.Event] = {}
-        self.chunk_reads = 0
-        # Page generations are global and only grow: a page freed and written
-        # again can never look "unchanged" to a spill that started before.
-        self._page_gen = itertools.count(1)
+        self._bp_logged = False
+        self.backpressure_poll = BACKPRESSURE_POLL
 
     # ----- registry -------------------------------------------------------
-    def add(self, f: CachedFile) -> CachedFile:
-        self.files[f.file_id] = f
+    def all_files(self) -> Iterator[CachedFile]:
+        yield from list(self.files.values())
+        yield from list(self.retired)
+
+    def new_file(
+        self, file_id: str, version: str, path: str, mode: int, uid: int, gid: int
+    ) -> CachedFile:
+        now = time.time_ns()
+        f = CachedFile(file_id, version, path, 0, mode, uid, gid, now, now, self.page_size)
+        f.content_gen = next(self._gen)
+        self._register(f)
         return f
 
-    def new_file(self, file_id: str, version: str, path: str, mode: int) -> CachedFile:
-        return self.add(CachedFile(file_id, version, path, 0, mode, time.time_ns(), self.page_size))
+    def _register(self, f: CachedFile) -> None:
+        old = self.files.get(f.file_id)
+        if old is not None and old is not f:
+            self._retire(old)
+        self.files[f.file_id] = f
 
-    def from_manifest(self, m: Manifest, path: str) -> CachedFile:
-        f = CachedFile(m.file_id, m.version, path, m.size, m.mode, m.mtime_ns, self.page_size)
-        f.state = DURABLE
-        f.chunking = m.chunking
-        f.set_base(m.chunks, m.size)
-        f.ensure_pages(f.npages)
-        f.durable_event.set()
-        return self.add(f)
+    def load(self, m: Manifest, path: str, uid: int, gid: int) -> CachedFile:
+        """The cached file for the manifest at ``path`` (close-to-open: the
+        manifest wins unless our copy is newer than what it names)."""
+        f = self.files.get(m.file_id)
+        if f is not None and (f.modified or (f.version == m.version and not f.unlinked)):
+            f.path = path
+            if not f.modified:
+                f.mode, f.uid, f.gid = m.mode & 0o7777, uid, gid
+                f.mtime_ns, f.atime_ns = m.mtime_ns, m.atime
+            return f
+        nf = CachedFile(
+            m.file_id, m.version, path, m.size, m.mode & 0o7777, uid, gid, m.mtime_ns, m.atime,
+            self.page_size,
+        )  # fmt: skip
+        nf.content_gen = next(self._gen)
+        nf.holders = list(m.holders)
+        nf.chunking = m.chunking
+        if m.state == "durable":
+            nf.state = FileState.DURABLE
+            nf.base = ChunkMap.of(m.chunks, m.size)
+        else:
+            # Pending elsewhere: only its holders have the bytes. (Reading them
+            # from a holder is the multi-node part; until then it is lost here.)
+            nf.role = FileRole.REMOTE
+            holders = ", ".join(m.holders) or "none"
+            nf.state = FileState.LOST
+            nf.lost_reason = (
+                f"not durable yet and no reachable holder has its bytes (holders: {holders})"
+            )
+            log.error("%s is lost: %s", path, nf.lost_reason)
+        self._register(nf)
+        return nf
+
+    def adopt(self, record: dict[str, Any]) -> CachedFile:
+        """A PENDING file rebuilt from a journal record (recovery after a crash)."""
+        f = CachedFile(
+            record["file_id"], record["version"], record["path"], record["size"],
+            record["mode"], record.get("uid", 0), record.get("gid", 0), record["mtime_ns"],
+            record.get("atime_ns", record["mtime_ns"]), self.page_size,
+        )  # fmt: skip
+        f.state = FileState.PENDING
+        f.holders = [self.node]
+        f.chunking = record.get("chunking", "fixed")
+        f.content_gen = next(self._gen)
+        for p, (slot, fill) in record["dirty"].items():
+            f.pages[int(p)] = Page(PageState.DIRTY, slot, fill, next(self._gen))
+            f.ram_count += 1
+            f.dirty_count += 1
+            self.dirty_pages += 1
+        for p, (off, length, digest, fill) in record["spilled"].items():
+            f.pages[int(p)] = Page(PageState.SPILLED, -1, fill, next(self._gen))
+            f.pages[int(p)].chunk = Chunk(off, length, digest)
+        f.base = ChunkMap.of(chunks_of(record["base"]), record["base_end"])
+        self._register(f)
+        return f
 
     def drop(self, f: CachedFile) -> None:
-        """Forget a file whose bytes nobody needs any more (unlinked and closed)."""
-        self._release_pages(f, range(len(f.pages)))
-        f.dirty_pages.clear()
+        """Forget content nobody needs any more; its slots go back to the arena."""
+        self._release_pages(f, list(f.pages))
+        self.retired.discard(f)
         if self.files.get(f.file_id) is f:
             del self.files[f.file_id]
 
-    # ----- memory ---------------------------------------------------------
-    def _signal_space(self) -> None:
-        self._space_event.set()
-        self._space_event = trio.Event()
-
-    def _release_pages(self, f: CachedFile, pages: Iterable[int]) -> int:
-        freed = 0
-        for p in pages:
-            slot = f.pages[p]
-            if slot >= 0:
-                f.pages[p] = -1
-                f.fill[p] = 0
-                self.arena.release(slot)
-                freed += 1
-        if freed:
-            self._signal_space()
-        return freed
-
-    def try_alloc(self) -> int | None:
-        while True:
-            slot = self.arena.alloc()
-            if slot is not None or not self._evict_lru():
-                return slot
-
-    async def alloc_slot(self, f: CachedFile) -> int:
-        """A free slot for a write to ``f``; waits (backpressure) rather than fail."""
-        slot = self.try_alloc()
-        if slot is not None:
-            return slot
-        self.backpressure_events += 1
-        self.waiting_writers += 1
-        start = time.monotonic()
-        try:
-            while slot is None:
-                now = time.monotonic()
-                if now - self._last_bp_log > 10:
-                    self._last_bp_log = now
-                    log.warning(
-                        "backpressure: cache full (%d MiB, %d MiB not durable); "
-                        "writes to %s wait for the flusher",
-                        self.arena.capacity >> 20,
-                        self.dirty_bytes() >> 20,
-                        f.path,
-                    )
-                self.need_space.set()
-                with trio.move_on_after(1):
-                    await self._space_event.wait()
-                slot = self.try_alloc()
-        finally:
-            self.waiting_writers -= 1
-            self.backpressure_seconds += time.monotonic() - start
-        return slot
-
-    def _evict_lru(self) -> bool:
-        victim = None
-        for f in self.files.values():
-            if f.state == DURABLE and f.writers == 0 and not f.dirty_pages and f.ram_pages():
-                if victim is None or f.last_access < victim.last_access:
-                    victim = f
-        if victim is None:
-            return False
-        self.evict(victim)
-        return True
-
-    def evict(self, f: CachedFile) -> int:
-        """Drop the RAM copy of a durable file; returns bytes freed."""
-        if f.state != DURABLE or f.dirty_pages or f.writers:
-            return 0
-        freed = self._release_pages(f, range(len(f.pages))) * self.page_size
-        self.evicted_bytes += freed
-        if freed:
-            log.debug("evicted %s (%d MiB)", f.path, freed >> 20)
-            self.prune()
-        return freed
+    def handle_closed(self, f: CachedFile) -> None:
+        if f.unlinked and f.handles == 0:
+            self.drop(f)
 
     def prune(self) -> int:
         """Forget the oldest idle entries beyond MAX_IDLE_FILES: durable, no RAM,
@@ -165,7 +192,10 @@ class Cache:
         idle = [
             f
             for f in self.files.values()
-            if f.state == DURABLE and not f.handles and not f.ram_pages() and not self.referenced(f)
+            if f.state is FileState.DURABLE
+            and not f.handles
+            and not f.ram_count
+            and not self.referenced(f)
         ]
         excess = len(idle) - MAX_IDLE_FILES
         if excess <= 0:
@@ -174,125 +204,425 @@ class Cache:
             del self.files[f.file_id]
         return excess
 
-    def dirty_bytes(self) -> int:
-        return sum(len(f.dirty_pages) for f in self.files.values()) * self.page_size
+    # ----- state transitions -------------------------------------------------
+    def _notify(self, f: CachedFile) -> None:
+        """Wake everyone waiting for this file's state to change."""
+        f.durable_event.set()
+        f.durable_event = trio.Event()
 
-    # ----- chunk fetch ------------------------------------------------------
-    async def fetch_chunk(self, chunk: Chunk, what: str) -> bytes:
-        """The verified bytes of ``chunk``; concurrent requests share one read.
+    def _retire(self, f: CachedFile) -> None:
+        """No name refers to ``f`` any more (UNLINKED)."""
+        key = self._record_key(f)
+        if key is not None:
+            self.journal.drop_later(key)  # recovery rejects it: its manifest is gone
+        f.state = FileState.UNLINKED
+        if self.files.get(f.file_id) is f:
+            del self.files[f.file_id]
+        self._notify(f)
+        if f.handles:
+            self.retired.add(f)
+        else:
+            self.drop(f)
 
-        A waiter whose fetcher failed starts over: it then fetches itself (and
-        meets the same error, reported to its own reader) or waits again.
+    def unlink(self, f: CachedFile) -> None:
+        self._retire(f)
+
+    @staticmethod
+    def _record_key(f: CachedFile) -> tuple[str, str] | None:
+        """The journal record that lists this file's slots, if it may have one."""
+        if f.state is FileState.PENDING:
+            return (f.file_id, f.version)
+        if f.state is FileState.PUBLISHING and f.publishing is not None:
+            return (f.file_id, f.publishing.version)
+        return None
+
+    async def _begin_change(self, f: CachedFile) -> None:
+        """Make ``f`` MODIFIED before any of its bytes change (caller holds f.lock)."""
+        if f.state is FileState.LOST:
+            raise FileLost(f"{f.path}: its bytes are lost; only a full rewrite may replace it")
+        if f.state is FileState.UNLINKED:
+            return  # open handles of a removed file may still write; nothing publishes it
+        key = self._record_key(f)
+        f.state = FileState.MODIFIED
+        f.role = FileRole.LOCAL
+        self._notify(f)
+        if key is not None:
+            # The record lists slots this change is about to overwrite.
+            await self.journal.drop(key)
+
+    def _fork(self, f: CachedFile) -> None:
+        """Truncating a PENDING file to 0 (the next torch.save of the same name):
+        the old version keeps its content, record and flush, as a retired file,
+        until it is durable or the new version is published; ``f`` starts empty."""
+        old = CachedFile(
+            f.file_id, f.version, f.path, f.size, f.mode, f.uid, f.gid, f.mtime_ns,
+            f.atime_ns, self.page_size,
+        )  # fmt: skip
+        old.state, old.role, old.mirror = f.state, f.role, f.mirror
+        old.holders, old.chunking = list(f.holders), f.chunking
+        old.pages, old.base, old.content_gen = f.pages, f.base, f.content_gen
+        old.dirty_count, old.ram_count = f.dirty_count, f.ram_count
+        old.opened_at, old.closed_at, old.flushed_bytes = f.opened_at, f.closed_at, f.flushed_bytes
+        if f.flushing is not None:
+            f.flushing.file = old  # the flush in progress stores exactly this content
+            old.flushing, f.flushing = f.flushing, None
+        self.retired.add(old)
+        f.pages, f.base, f.dirty_count, f.ram_count = {}, ChunkMap(), 0, 0
+        f.state, f.role = FileState.MODIFIED, FileRole.LOCAL
+        f.content_gen = next(self._gen)
+        f.opened_at, f.closed_at, f.flushed_bytes = time.time(), None, 0
+        self._notify(f)
+        if old.flushing is None:
+            self.on_pending(old)
+
+    def begin_publish(self, f: CachedFile, version: str) -> Snapshot:
+        """MODIFIED -> PUBLISHING: the content a commit is about to publish."""
+        assert f.state is FileState.MODIFIED, f.state
+        snap = self._snapshot(f, version)
+        f.state = FileState.PUBLISHING
+        f.publishing = snap
+        self._notify(f)
+        return snap
+
+    def published(self, snap: Snapshot) -> bool:
+        """The pending manifest of ``snap`` is in the backing store.
+
+        PUBLISHING -> PENDING if nothing changed since the snapshot; a file
+        written meanwhile stays MODIFIED (its writer dropped the record).
+        Returns whether the file is now PENDING.
         """
+        f = snap.file
+        f.version = snap.version  # what the backing store names now, either way
+        f.publishing = None
+        for old in [r for r in self.retired if r.file_id == f.file_id and r is not f]:
+            if old.state is FileState.PENDING:
+                self._retire(old)  # a newer version replaced it
+        if f.state is FileState.PUBLISHING and f.content_gen == snap.content_gen:
+            f.state = FileState.PENDING
+            f.holders = [self.node]
+            f.closed_at = time.time()
+            self._notify(f)
+            self.on_pending(f)
+            return True
+        self._notify(f)
+        return False
+
+    def publish_failed(self, snap: Snapshot, name_gone: bool) -> None:
+        f = snap.file
+        f.publishing = None
+        # Never published, so recovery would reject it: no need to wait.
+        self.journal.drop_later((f.file_id, snap.version))
+        if f.state is FileState.PUBLISHING:
+            f.state = FileState.MODIFIED
+        if name_gone:
+            log.info("%s no longer names the file being written; dropping its content", f.path)
+            self._retire(f)
+        else:
+            self._notify(f)
+
+    def flush_snapshot(self, f: CachedFile) -> Snapshot | None:
+        """The snapshot the flusher stores, with its RAM slots pinned; None if
+        ``f`` owes nothing (not PENDING, not ours, or already being flushed)."""
+        if not f.owes_flush or f.flushing is not None:
+            return None
+        snap = self._snapshot(f, f.version)
+        for page in snap.pages.values():
+            if page.in_ram:
+                self.arena.pin(page.slot)
+                snap.pinned.append(page.slot)
+        f.flushing = snap
+        f.flushed_bytes = 0
+        self._notify(f)
+        return snap
+
+    def flush_ended(self, snap: Snapshot) -> None:
+        """The flusher is done with ``snap``; its pins go once no thread reads them."""
+        snap.ended = True
+        self._unpin_snapshot(snap)
+        if snap.file.flushing is snap:
+            snap.file.flushing = None
+            self._notify(snap.file)
+
+    def thread_started(self, snap: Snapshot) -> None:
+        snap.threads += 1
+
+    def thread_ended(self, snap: Snapshot) -> None:
+        """A thread reading ``snap``'s slots ended (maybe long after the loop gave up on it)."""
+        snap.threads -= 1
+        self._unpin_snapshot(snap)
+
+    def _unpin_snapshot(self, snap: Snapshot) -> None:
+        if snap.ended and not snap.threads and snap.pinned:
+            for slot in snap.pinned:
+                self.arena.unpin(slot)
+            snap.pinned = []
+            self._signal_space()
+
+    def mark_durable(self, snap: Snapshot, chunks: list[Chunk], kind: str) -> bool:
+        """PENDING -> DURABLE, if the durable manifest of ``snap`` names the
+        file's current content; refused if anything changed since the snapshot."""
+        f = snap.file
+        if (
+            f.state is not FileState.PENDING
+            or f.version != snap.version
+            or f.content_gen != snap.content_gen
+        ):
+            return False
+        f.base = ChunkMap.of(chunks, f.size)
+        f.chunking = kind
+        for p, page in list(f.pages.items()):
+            if page.state is PageState.DIRTY:
+                page.state = PageState.CLEAN
+                f.dirty_count -= 1
+                self.dirty_pages -= 1
+            elif page.state is PageState.SPILLED:
+                del f.pages[p]
+        f.state = FileState.DURABLE
+        f.lost_reason = ""
+        self.journal.drop_later((f.file_id, f.version))
+        self._notify(f)
+        if f in self.retired:
+            self.drop(f)  # a fork: durable now, and no name shows this content any more
+        self._signal_space()
+        return True
+
+    def journal_snapshot(self, f: CachedFile) -> Snapshot:
+        """A PENDING file's content as its journal record lists it (after a rename)."""
+        return self._snapshot(f, f.version)
+
+    def _snapshot(self, f: CachedFile, version: str) -> Snapshot:
+        pages = {p: Page(pg.state, pg.slot, pg.fill, pg.gen, pg.chunk) for p, pg in f.pages.items()}
+        return Snapshot(f, version, f.content_gen, f.size, pages, f.base)
+
+    def _changed(self, f: CachedFile, p: int, page: Page) -> None:
+        """Page ``p`` now holds new content: DIRTY, with a fresh generation."""
+        if page.state is not PageState.DIRTY:
+            page.state = PageState.DIRTY
+            page.chunk = None
+            f.dirty_count += 1
+            self.dirty_pages += 1
+        page.gen = next(self._gen)
+        f.content_gen = page.gen
+
+    # ----- memory ---------------------------------------------------------
+    def _signal_space(self) -> None:
+        self._space_event.set()
+        self._space_event = trio.Event()
+
+    def _drop_page(self, f: CachedFile, p: int) -> None:
+        page = f.pages.pop(p)
+        if page.in_ram:
+            self.arena.release(page.slot)
+            f.ram_count -= 1
+        if page.state is PageState.DIRTY:
+            f.dirty_count -= 1
+            self.dirty_pages -= 1
+
+    def _release_pages(self, f: CachedFile, pages: list[int]) -> int:
+        freed = 0
+        for p in pages:
+            if p in f.pages:
+                freed += f.pages[p].in_ram
+                self._drop_page(f, p)
+        if freed:
+            self._signal_space()
+        return freed
+
+    def _clean_pages(self, f: CachedFile) -> list[int]:
+        return [
+            p
+            for p, pg in f.pages.items()
+            if pg.state is PageState.CLEAN and not self.arena.pinned(pg.slot)
+        ]
+
+    def _evict_one(self) -> bool:
+        """Free the least recently used clean bytes: a chunk frame or a file's clean pages."""
+        frame = self.frames.oldest()
+        victim: CachedFile | None = None
+        for f in self.all_files():
+            if f.ram_count > f.dirty_count and (
+                victim is None or f.last_access < victim.last_access
+            ):
+                if self._clean_pages(f):
+                    victim = f
+        if frame is not None and (victim is None or frame.last_access <= victim.last_access):
+            freed = self.frames.evict(frame)
+        elif victim is not None:
+            freed = self._release_pages(victim, self._clean_pages(victim))
+            if victim.state is FileState.DURABLE:
+                log.debug("evicted %s (%d MiB)", victim.path, freed * self.page_size >> 20)
+        else:
+            return False
+        self.evicted_bytes += freed * self.page_size
+        self._signal_space()
+        return freed > 0
+
+    def try_alloc(self) -> int | None:
+        """A free slot, evicting clean bytes if needed; None rather than wait."""
         while True:
-            data = self._recent.get(chunk.hash)
-            if data is not None:
-                self._recent.move_to_end(chunk.hash)
-                return data
-            pending = self._inflight.get(chunk.hash)
-            if pending is None:
-                break
-            await pending.wait()
-        done = self._inflight[chunk.hash] = trio.Event()
+            slot = self.arena.alloc()
+            if slot is not None or not self._evict_one():
+                return slot
+
+    async def alloc_for_write(self, f: CachedFile) -> int:
+        """A free slot for a write to ``f``; waits (backpressure) rather than fail."""
+        slot = self.try_alloc()
+        if slot is not None:
+            return slot
+        self.backpressure_events += 1
+        self.waiting_writers += 1
+        start = time.monotonic()
+        warned = False
         try:
-            data = await self.io.run(
-                functools.partial(self.store.get, chunk.hash, chunk.length, what=what),
-                what=f"read chunk of {what}",
-            )
-            self.chunk_reads += 1
-            self._recent[chunk.hash] = data
-            while len(self._recent) > 8:
-                self._recent.popitem(last=False)
-            return data
+            while slot is None:
+                waited = time.monotonic() - start
+                if not self._bp_logged:
+                    self._bp_logged = True
+                    log.info(
+                        "backpressure: cache full (%d MiB, %d MiB not durable); "
+                        "writes to %s wait for the flusher",
+                        self.arena.capacity >> 20,
+                        self.dirty_pages * self.page_size >> 20,
+                        f.path,
+                    )
+                if waited > BACKPRESSURE_WARN_SECONDS and not warned:
+                    warned = True
+                    log.warning(
+                        "a write to %s has waited %.0fs for cache space; the backing store "
+                        "is not keeping up (health %s)",
+                        f.path,
+                        waited,
+                        self.io.health,
+                    )
+                self.need_space.set()
+                with trio.move_on_after(self.backpressure_poll):
+                    await self._space_event.wait()
+                slot = self.try_alloc()
         finally:
-            if self._inflight.get(chunk.hash) is done:
-                del self._inflight[chunk.hash]
-            done.set()
+            self.waiting_writers -= 1
+            self.backpressure_seconds += time.monotonic() - start
+            if not self.waiting_writers:
+                self._bp_logged = False
+        return slot
 
-    async def _assemble(self, f: CachedFile, start: int, end: int) -> bytes:
-        parts = []
-        for off, length, chunk in f.sources(start, end):
-            if chunk is None:
-                parts.append(bytes(length))
-                continue
-            try:
-                data = await self.fetch_chunk(chunk, f.path)
-            except ChunkCorrupt as exc:
-                log.error("read of %s failed: %s", f.path, exc)
-                raise
-            rel = off - chunk.offset
-            parts.append(data[rel : rel + length])
-        return b"".join(parts)
+    def evict(self, f: CachedFile) -> int:
+        """Drop the RAM copy of a durable file; returns bytes freed."""
+        if f.state is not FileState.DURABLE or f.writers:
+            return 0
+        freed = self._release_pages(f, self._clean_pages(f)) * self.page_size
+        self.evicted_bytes += freed
+        if freed:
+            log.debug("evicted %s (%d MiB)", f.path, freed >> 20)
+            self.prune()
+        return freed
 
-    # ----- data -------------------------------------------------------------
+    def evict_frames(self) -> int:
+        freed = 0
+        while (frame := self.frames.oldest()) is not None:
+            freed += self.frames.evict(frame)
+        if freed:
+            self._signal_space()
+        return freed * self.page_size
+
+    # ----- reading ------------------------------------------------------------
     async def read(self, f: CachedFile, off: int, size: int) -> bytes:
-        if f.state == LOST:
-            raise FileLost(f"{f.path}: bytes lost ({self.lost.get(f.path, 'no holder')})")
+        if f.state is FileState.LOST:
+            raise FileLost(f"{f.path}: bytes lost ({f.lost_reason or 'no holder'})")
         f.last_access = time.monotonic()
         end = min(off + size, f.size)
         parts: list[bytes] = []
         pos = off
         ps = self.page_size
         while pos < end:
-            p = pos // ps
-            pstart = p * ps
-            stop = min(pstart + ps, end)
-            if p < len(f.pages) and f.pages[p] >= 0:
-                parts.append(self._read_ram(f, p, pos - pstart, stop - pos))
+            p, o = divmod(pos, ps)
+            stop = min((p + 1) * ps, end)
+            page = f.pages.get(p)
+            if page is not None and page.in_ram:
+                parts.append(self._ram_bytes(page, o, stop - pos))
             else:
-                page = await self._page_for_read(f, p)
-                parts.append(page[pos - pstart : stop - pstart])
+                parts.append(await self._assemble(f, pos, stop))
             pos = stop
-        return b"".join(parts)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    def _read_ram(self, f: CachedFile, p: int, o: int, n: int) -> bytes:
-        valid = max(0, min(n, f.fill[p] - o))
-        data = self.arena.read(f.pages[p], o, valid) if valid else b""
+    def _ram_bytes(self, page: Page, o: int, n: int) -> bytes:
+        valid = max(0, min(n, page.fill - o))
+        data = self.arena.read(page.slot, o, valid) if valid else b""
         return data + bytes(n - valid) if valid < n else data
 
-    async def _page_for_read(self, f: CachedFile, p: int) -> bytes:
-        pstart = p * self.page_size
-        gen = f.gen
-        data = await self._assemble(f, pstart, min(pstart + self.page_size, f.size))
-        # Keep the page as a clean copy if nothing changed meanwhile and
-        # memory is free; a read never waits for memory.
-        if f.gen == gen and p < len(f.pages) and f.pages[p] < 0 and data:
-            slot = self.try_alloc()
-            if slot is not None:
-                self.arena.write(slot, 0, data)
-                f.pages[p] = slot
-                f.fill[p] = len(data)
-        return data
+    async def _assemble(self, f: CachedFile, start: int, end: int) -> bytes:
+        """Bytes [start, end) of one page that is not in RAM, from its chunks."""
+        parts = []
+        for off, length, chunk in f.sources(start, end):
+            if chunk is None:
+                parts.append(bytes(length))
+            else:
+                parts.append(await self.chunk_bytes(chunk, off - chunk.offset, length, f.path))
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    async def chunk_bytes(self, chunk: Chunk, start: int, count: int, what: str) -> bytes:
+        """Verified bytes of a stored chunk, through a frame when there is room."""
+        try:
+            frame = await self.frames.acquire(chunk, what, self.try_alloc)
+            if frame is None:
+                return await self.frames.read_range(chunk, start, count, what)
+        except ChunkCorrupt as exc:
+            log.error("read of %s failed: %s", what, exc)
+            raise
+        return self.frames.copy(frame, start, count)
+
+    # ----- writing --------------------------------------------------------------
     async def write(self, f: CachedFile, off: int, data: bytes) -> int:
+        end = off + len(data)
+        if end > MAX_FILE_SIZE:
+            raise OSError(errno.EFBIG, f"{f.path}: writing up to {end} bytes exceeds the maximum")
         async with f.lock:
-            end = off + len(data)
+            await self._begin_change(f)
             ps = self.page_size
-            f.ensure_pages(-(-end // ps))
             view = memoryview(data)
             pos = off
             while pos < end:
-                p = pos // ps
-                o = pos - p * ps
+                p, o = divmod(pos, ps)
                 n = min(ps - o, end - pos)
-                if f.pages[p] < 0:
+                page = f.pages.get(p)
+                if page is None or not page.in_ram:
                     await self._page_in(f, p, o, n)
-                slot = f.pages[p]
-                if o > f.fill[p]:
-                    self.arena.zero(slot, f.fill[p], o)
-                self.arena.write(slot, o, view[pos - off : pos - off + n])
-                f.fill[p] = max(f.fill[p], o + n)
-                f.page_gen[p] = next(self._page_gen)
-                f.dirty_pages.add(p)
+                    continue  # look again: the page table may have moved meanwhile
+                if self.arena.pinned(page.slot):
+                    await self._copy_on_write(f, p, page)
+                    continue
+                # No await from here to the end of this page.
+                if o > page.fill:
+                    self.arena.zero(page.slot, page.fill, o)
+                self.arena.write(page.slot, o, view[pos - off : pos - off + n])
+                page.fill = max(page.fill, o + n)
+                self._changed(f, p, page)
                 pos += n
-            f.size = max(f.size, end)
-            f.mark_modified()
+                # Grown page by page: a later page may wait for memory, and the
+                # spiller and readers must see the bytes already written.
+                if pos > f.size:
+                    f.size = pos
+            f.mtime_ns = time.time_ns()
             f.last_access = time.monotonic()
         return len(data)
 
+    async def _copy_on_write(self, f: CachedFile, p: int, page: Page) -> None:
+        """Move page ``p`` to a new slot before writing it: its slot is pinned by a
+        thread (flusher, spiller) that relies on those bytes not changing."""
+        slot = await self.alloc_for_write(f)
+        if f.pages.get(p) is not page or not page.in_ram or not self.arena.pinned(page.slot):
+            self.arena.release(slot)  # moved or unpinned meanwhile: the caller looks again
+            return
+        self.arena.copy(page.slot, slot, page.fill)
+        self.arena.release(page.slot)  # deferred until the last pin goes
+        page.slot = slot
+
     async def _page_in(self, f: CachedFile, p: int, o: int, n: int) -> None:
-        """Give page ``p`` a slot holding its current bytes before a write of [o, o+n)."""
-        slot = await self.alloc_slot(f)
+        """Give page ``p`` a slot holding its current bytes before a write of [o, o+n).
+
+        Only writes and truncates (under f.lock) add pages to a file, so page
+        ``p`` is still not in RAM after the awaits here.
+        """
+        slot = await self.alloc_for_write(f)
         pstart = p * self.page_size
         existing = max(0, min(f.size, pstart + self.page_size) - pstart)
         fill = 0
@@ -304,111 +634,108 @@ class Cache:
                 raise
             self.arena.write(slot, 0, current)
             fill = len(current)
-        if f.pages[p] >= 0:  # a reader paged it in meanwhile
+        old = f.pages.get(p)
+        if old is not None and old.in_ram:
             self.arena.release(slot)
             return
-        f.pages[p] = slot
-        f.fill[p] = fill
+        if old is not None:
+            self._drop_page(f, p)  # a spilled page: its chunk is superseded
+        # DIRTY at once: it is about to be written, and a page-in of a spilled
+        # page holds bytes newer than the base.
+        page = f.pages[p] = Page(PageState.CLEAN, slot, fill)
+        f.ram_count += 1
+        self._changed(f, p, page)
 
     async def truncate(self, f: CachedFile, size: int) -> None:
+        if size > MAX_FILE_SIZE:
+            raise OSError(errno.EFBIG, f"{f.path}: size {size} exceeds the maximum")
         async with f.lock:
+            if size == 0 and f.owes_flush:
+                self._fork(f)
+            elif size == 0 and f.state is FileState.LOST:
+                f.state, f.role, f.lost_reason = FileState.MODIFIED, FileRole.LOCAL, ""
+                f.base = ChunkMap()
+                self._notify(f)
+            else:
+                await self._begin_change(f)
             ps = self.page_size
             if size < f.size:
-                boundary = size // ps
-                if size % ps and boundary < len(f.pages):
-                    if f.pages[boundary] < 0:
-                        await self._page_in(f, boundary, 0, 0)
-                    f.fill[boundary] = min(f.fill[boundary], size - boundary * ps)
-                    f.dirty_pages.add(boundary)
-                    f.page_gen[boundary] = next(self._page_gen)
                 first_gone = -(-size // ps)
-                self._release_pages(f, range(first_gone, len(f.pages)))
-                for p in range(first_gone, len(f.pages)):
-                    f.dirty_pages.discard(p)
-                    f.spilled.pop(p, None)
-                del f.pages[first_gone:], f.fill[first_gone:], f.page_gen[first_gone:]
-                f.base_end = min(f.base_end, size)
+                self._release_pages(f, [p for p in f.pages if p >= first_gone])
+                boundary = size // ps
+                page = f.pages.get(boundary)
+                if size % ps and page is not None and page.fill > size - boundary * ps:
+                    # A CLEAN page stays equal to the base, which is cut at the same
+                    # place; a SPILLED page's chunk is read only up to its fill.
+                    page.fill = size - boundary * ps
+                    if page.state is PageState.DIRTY:
+                        self._changed(f, boundary, page)
+                f.base = f.base.truncated(size)
+            f.content_gen = next(self._gen)
             f.size = size
-            f.ensure_pages(-(-size // ps))
-            f.mark_modified()
-
-    def read_sync(self, f: CachedFile, off: int, size: int) -> bytes:
-        """Blocking read for the flusher's threads: RAM pages, else verified chunks.
-
-        The event loop may truncate the file meanwhile; then this returns
-        whatever it saw and the flusher discards the result (its generation
-        check), so a vanished page only has to read as zeros, not crash.
-        """
-        end = min(off + size, f.size)
-        parts = []
-        pos = off
-        ps = self.page_size
-        while pos < end:
-            p = pos // ps
-            stop = min(p * ps + ps, end)
-            try:
-                slot, fill = f.pages[p], f.fill[p]
-            except IndexError:
-                slot, fill = -1, 0
-            if slot >= 0:
-                o, n = pos - p * ps, stop - pos
-                valid = max(0, min(n, fill - o))
-                data = self.arena.read(slot, o, valid) if valid else b""
-                parts.append(data + bytes(n - valid) if valid < n else data)
-            else:
-                for o, n, chunk in f.sources(pos, stop):
-                    if chunk is None:
-                        parts.append(bytes(n))
-                    else:
-                        data = self.store.get(chunk.hash, chunk.length, what=f.path)
-                        parts.append(data[o - chunk.offset : o - chunk.offset + n])
-            pos = stop
-        return b"".join(parts)
+            f.mtime_ns = time.time_ns()
 
     # ----- spilling under pressure -------------------------------------------
     async def relieve_pressure(self) -> bool:
         """Free memory for waiting writers; returns whether anything was freed."""
-        for f in list(self.files.values()):
-            # A clean page can always be rebuilt from its chunks (or is zeros).
-            # Closed files that are not durable yet keep theirs: the crash
-            # journal lists their slots.
-            if f.state == DURABLE or (f.writers and f.state != FLUSHING):
-                clean = [p for p, s in enumerate(f.pages) if s >= 0 and p not in f.dirty_pages]
-                if clean and self._release_pages(f, clean):
-                    return True
-        # Only files still being written are spilled: closed ones are on their
-        # way to durable (then evictable), and their cache journal stays exact.
+        if self._evict_one():
+            return True
+        # Spilling is for content no journal record lists (MODIFIED), or that
+        # only open handles still read (UNLINKED).
         candidates = [
-            f for f in self.files.values() if f.writers and f.state != FLUSHING and f.dirty_pages
+            f
+            for f in self.all_files()
+            if f.state in (FileState.MODIFIED, FileState.UNLINKED) and f.dirty_count
         ]
         if not candidates:
             return False
-        f = max(candidates, key=lambda c: len(c.dirty_pages))
+        f = max(candidates, key=lambda c: c.dirty_count)
         # Full pages first, lowest offsets first: the sequential writer is done with them.
-        pages = sorted(f.dirty_pages, key=lambda p: (f.fill[p] < self.page_size, p))[:8]
+        dirty = [p for p, pg in f.pages.items() if pg.state is PageState.DIRTY]
+        pages = sorted(dirty, key=lambda p: (f.pages[p].fill < self.page_size, p))[:8]
         async with trio.open_nursery() as nursery:
             for p in pages:
                 nursery.start_soon(self._spill_page, f, p)
         return True
 
     async def _spill_page(self, f: CachedFile, p: int) -> None:
-        slot, gen = f.pages[p], f.page_gen[p]
-        if slot < 0:
+        page = f.pages.get(p)
+        if page is None or page.state is not PageState.DIRTY or not page.fill:
             return
-        length = min(f.fill[p], max(0, f.size - p * self.page_size))
+        slot, gen = page.slot, page.gen
+        length = page.fill  # a truncation clips fill, so it never runs past the size
+        view = self.arena.slot_view(slot, 0, length)
+        self.arena.pin(slot)
 
-        def read_and_hash() -> tuple[bytes, str]:
-            data = self.arena.read(slot, 0, length)
-            return data, chunk_hash(data)
+        def hash_and_store() -> str:
+            digest = chunk_hash(view)
+            self.store.put(digest, view)
+            return digest
 
-        data, digest = await run_cpu(read_and_hash, limiter=self.hash_limiter)
-        await self.io.run(self.store.put, digest, data, what=f"spill of {f.path}")
-        unchanged = p < len(f.pages) and f.pages[p] == slot and f.page_gen[p] == gen
-        if unchanged and f.state != FLUSHING:
-            f.spilled[p] = Chunk(p * self.page_size, length, digest)
-            f.dirty_pages.discard(p)
-            self._release_pages(f, [p])
+        call: Call[str] = Call(on_loop_later(self.arena.unpin, slot))
+        try:
+            digest = await self.io.run(hash_and_store, what=f"spill of {f.path}", call=call)
+        finally:
+            if not call.abandoned():
+                view.release()
+                self.arena.unpin(slot)
+        current = f.pages.get(p)
+        if (
+            current is page
+            and page.gen == gen
+            and page.state is PageState.DIRTY
+            and f.state in (FileState.MODIFIED, FileState.UNLINKED)
+        ):
+            self.arena.release(slot)
+            page.slot = -1
+            page.state = PageState.SPILLED
+            page.chunk = Chunk(p * self.page_size, length, digest)
+            page.fill = length
+            f.ram_count -= 1
+            f.dirty_count -= 1
+            self.dirty_pages -= 1
             self.spilled_bytes += length
+            self._signal_space()
 
     async def run_spiller(self) -> None:
         """Background task: whenever writers wait for memory, spill until they don't."""
@@ -419,7 +746,7 @@ class Cache:
                 try:
                     progressed = await self.relieve_pressure()
                 except Exception as exc:  # incl. ExceptionGroups: the spiller must live on
-                    cause = exc
+                    cause: BaseException = exc
                     while isinstance(cause, BaseExceptionGroup) and cause.exceptions:
                         cause = cause.exceptions[0]
                     log.warning("spilling dirty pages to the backing store failed: %s", cause)
@@ -428,16 +755,21 @@ class Cache:
                 if not progressed:
                     await trio.sleep(0.05)
 
+    async def run_cpu(self, fn: Callable[..., Any], *args: object) -> Any:
+        return await run_cpu(fn, *args, limiter=self.hash_limiter)
+
     def stats(self) -> dict[str, Any]:
         return {
             "capacity": self.arena.capacity,
             "used": self.arena.used_slots * self.page_size,
-            "dirty": self.dirty_bytes(),
+            "dirty": self.dirty_pages * self.page_size,
             "page_size": self.page_size,
+            "frames": self.frames.slots_held * self.page_size,
             "waiting_writers": self.waiting_writers,
             "backpressure_events": self.backpressure_events,
             "backpressure_seconds": round(self.backpressure_seconds, 3),
             "evicted_bytes": self.evicted_bytes,
             "spilled_bytes": self.spilled_bytes,
-            "chunk_reads": self.chunk_reads,
+            "chunk_reads": self.frames.reads,
+            "chunk_bytes_read": self.frames.bytes_read,
         }

@@ -1,110 +1,70 @@
-"""One file's content as ckptfs holds it: RAM pages over a chunk list.
+"""One file's content as ckptfs holds it: a sparse page table over a chunk map.
 
-A page (one arena slot) is either in RAM, or its bytes come from chunks: the
-chunks of the last durable manifest (``base``) or chunks written early under
-memory pressure (``spilled``, page-aligned). Bytes past both are zeros. State
-that peers will need later (who holds what, dirty vs. durable) lives here.
+A page (one arena slot's worth of the file) is in the page table only if it
+is in RAM or was spilled; any other page comes from the base chunk map (the
+chunks of the last durable version), and a byte that neither covers is zero.
+So memory grows with the bytes a file holds, never with its size or with the
+offsets written (a 1 TiB truncate costs nothing).
+
+This module holds data and answers questions about it. Every change of a
+file's or a page's state is made by :class:`ckptfs.fs.cache.Cache`.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
 from .manifest import Chunk
+from .state import FileRole, FileState, MirrorState, PageState, stat_state
 
-# Per-file states shown by `ckptfs stat`.
-DIRTY, FLUSHING, DURABLE, LOST = "dirty", "flushing", "durable", "lost"
+# A piece of a byte range: (file offset, length, chunk or None for zeros).
+Piece = tuple[int, int, Chunk | None]
 
 
-@dataclass
-class CachedFile:
-    file_id: str
-    version: str
-    path: str
-    size: int
-    mode: int
-    mtime_ns: int
-    page_size: int
-    state: str = DIRTY
-    ino: int | None = None
-    pages: list[int] = field(default_factory=list)  # arena slot, or -1
-    fill: list[int] = field(default_factory=list)  # valid bytes in each RAM page
-    page_gen: list[int] = field(default_factory=list)
-    dirty_pages: set[int] = field(default_factory=set)
-    base: list[Chunk] = field(default_factory=list)
-    base_end: int = 0
-    base_offsets: list[int] = field(default_factory=list)
-    spilled: dict[int, Chunk] = field(default_factory=dict)
-    chunking: str = "fixed"
-    gen: int = 0
-    published_gen: int = -1
-    writers: int = 0
-    handles: int = 0
-    unlinked: bool = False
-    replaces_plain: bool = False
-    last_access: float = field(default_factory=time.monotonic)
-    flushed_bytes: int = 0
-    durable_event: trio.Event = field(default_factory=trio.Event)
-    lock: trio.Lock = field(default_factory=trio.Lock)
-    # Timings of the checkpoint currently in flight, for the history.
-    opened_at: float = field(default_factory=time.time)
-    closed_at: float | None = None
+@dataclass(frozen=True)
+class ChunkMap:
+    """The chunks of a durable version, sorted; gaps are holes. Immutable.
 
-    @property
-    def npages(self) -> int:
-        return -(-self.size // self.page_size)
+    ``end`` is where the map stops counting: a truncation below the last
+    chunk leaves the chunks as they are and moves ``end`` down, so bytes past
+    it read as zeros even if a later extension makes the file longer again.
+    """
 
-    def ram_pages(self) -> int:
-        return sum(1 for s in self.pages if s >= 0)
+    chunks: tuple[Chunk, ...] = ()
+    end: int = 0
+    offsets: tuple[int, ...] = field(default=(), compare=False)
 
-    def ensure_pages(self, count: int) -> None:
-        missing = count - len(self.pages)
-        if missing > 0:
-            self.pages.extend([-1] * missing)
-            self.fill.extend([0] * missing)
-            self.page_gen.extend([0] * missing)
+    @classmethod
+    def of(cls, chunks: list[Chunk] | tuple[Chunk, ...], end: int) -> ChunkMap:
+        chunks = tuple(chunks)
+        return cls(chunks, end, tuple(c.offset for c in chunks))
 
-    def set_base(self, chunks: list[Chunk], size: int) -> None:
-        self.base = list(chunks)
-        self.base_offsets = [c.offset for c in self.base]
-        self.base_end = size
-        self.spilled.clear()
+    def truncated(self, size: int) -> ChunkMap:
+        return self if size >= self.end else ChunkMap(self.chunks, size, self.offsets)
 
-    def sources(self, start: int, end: int) -> list[tuple[int, int, Chunk | None]]:
-        """Where bytes [start, end) of a page not in RAM come from.
-
-        Returns (file offset, length, chunk or None for zeros) pieces in order.
-        """
-        page = start // self.page_size
-        spilled = self.spilled.get(page)
-        if spilled is not None:
-            end_of = spilled.offset + spilled.length
-            return self._from_chunks([spilled], [spilled.offset], start, end, end_of)
-        return self._from_chunks(self.base, self.base_offsets, start, end, self.base_end)
-
-    @staticmethod
-    def _from_chunks(
-        chunks: list[Chunk], offsets: list[int], start: int, end: int, covered_end: int
-    ) -> list[tuple[int, int, Chunk | None]]:
-        pieces: list[tuple[int, int, Chunk | None]] = []
+    def pieces(self, start: int, end: int) -> list[Piece]:
+        """Where bytes [start, end) come from, in order."""
+        pieces: list[Piece] = []
         pos = start
-        i = max(0, bisect.bisect_right(offsets, start) - 1)
-        while pos < end and pos < covered_end and i < len(chunks):
-            chunk = chunks[i]
-            if chunk.offset + chunk.length <= pos:
+        limit = min(end, self.end)
+        i = max(0, bisect.bisect_right(self.offsets, start) - 1)
+        while pos < limit and i < len(self.chunks):
+            chunk = self.chunks[i]
+            if chunk.end <= pos:
                 i += 1
                 continue
-            if chunk.offset > pos:  # a gap in the chunk list reads as zeros
-                stop = min(end, chunk.offset)
+            if chunk.offset > pos:  # a hole
+                stop = min(limit, chunk.offset)
                 pieces.append((pos, stop - pos, None))
                 pos = stop
                 continue
-            stop = min(end, chunk.offset + chunk.length, covered_end)
+            stop = min(limit, chunk.end)
             pieces.append((pos, stop - pos, chunk))
             pos = stop
             i += 1
@@ -112,22 +72,136 @@ class CachedFile:
             pieces.append((pos, end - pos, None))
         return pieces
 
-    def mark_modified(self) -> None:
-        self.gen += 1
-        self.mtime_ns = time.time_ns()
-        if self.state in (DURABLE, LOST):
-            self.state = DIRTY
-        if self.durable_event.is_set():
-            self.durable_event = trio.Event()
+    def extents(self) -> Iterator[tuple[int, int]]:
+        """The [start, end) ranges that hold data (not holes), clipped to ``end``."""
+        for c in self.chunks:
+            if c.offset >= self.end:
+                break
+            yield c.offset, min(c.end, self.end)
+
+
+@dataclass(slots=True)
+class Page:
+    state: PageState
+    slot: int = -1  # arena slot while in RAM
+    fill: int = 0  # valid bytes from the page start; the rest of the page reads as zeros
+    gen: int = 0  # generation of the content: global, only grows
+    chunk: Chunk | None = None  # the spilled chunk (SPILLED only)
+
+    @property
+    def in_ram(self) -> bool:
+        return self.slot >= 0
+
+
+@dataclass
+class Snapshot:
+    """A file's content at one instant, taken on the event loop.
+
+    The flusher and the journal work from it; the cache accepts it back (as
+    published, or as durable) only if the file did not change since:
+    ``content_gen`` is the generation of the file's latest change, assigned
+    at the moment of the change, so any write or truncate after the snapshot
+    makes it differ.
+    """
+
+    file: CachedFile
+    version: str
+    content_gen: int
+    size: int
+    pages: dict[int, Page]  # copies
+    base: ChunkMap
+    pinned: list[int] = field(default_factory=list)
+    threads: int = 0  # worker threads reading the pinned slots
+    ended: bool = False  # the flush is over; pins go when the last thread does
+
+    def extents(self, page_size: int) -> list[tuple[int, int]]:
+        """Sorted, merged [start, end) ranges that hold data; the rest is holes."""
+        spans = [(p * page_size, min((p + 1) * page_size, self.size)) for p in self.pages]
+        spans += list(self.base.extents())
+        spans = sorted((a, min(b, self.size)) for a, b in spans if a < self.size)
+        merged: list[tuple[int, int]] = []
+        for a, b in spans:
+            if merged and a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        return merged
+
+
+@dataclass(eq=False)
+class CachedFile:
+    file_id: str
+    version: str  # the version of this file's latest manifest written to the backing store
+    path: str
+    size: int
+    mode: int
+    uid: int
+    gid: int
+    mtime_ns: int
+    atime_ns: int
+    page_size: int
+    state: FileState = FileState.MODIFIED
+    role: FileRole = FileRole.LOCAL
+    mirror: MirrorState = MirrorState.NONE
+    holders: list[str] = field(default_factory=list)
+    pages: dict[int, Page] = field(default_factory=dict)
+    base: ChunkMap = field(default_factory=ChunkMap)
+    chunking: str = "fixed"
+    content_gen: int = 0
+    dirty_count: int = 0  # pages in state DIRTY
+    ram_count: int = 0  # pages holding a slot
+    ino: int | None = None
+    writers: int = 0
+    handles: int = 0
+    replaces_plain: bool = False
+    lost_reason: str = ""
+    publishing: Snapshot | None = None  # the snapshot a commit is publishing
+    flushing: Snapshot | None = None  # the snapshot the flusher is storing
+    last_access: float = field(default_factory=time.monotonic)
+    flushed_bytes: int = 0
+    durable_event: trio.Event = field(default_factory=trio.Event)
+    lock: trio.Lock = field(default_factory=trio.Lock)  # writes and truncates
+    commit_lock: trio.Lock = field(default_factory=trio.Lock)
+    # Timings of the checkpoint currently in flight, for the history.
+    opened_at: float = field(default_factory=time.time)
+    closed_at: float | None = None
+
+    @property
+    def unlinked(self) -> bool:
+        return self.state is FileState.UNLINKED
+
+    @property
+    def modified(self) -> bool:
+        """Changed here since it was last published."""
+        return self.state in (FileState.MODIFIED, FileState.PUBLISHING)
+
+    @property
+    def owes_flush(self) -> bool:
+        """This node must still make it durable."""
+        return self.state is FileState.PENDING and self.role is FileRole.LOCAL
+
+    def page_range(self, start: int, end: int) -> range:
+        return range(start // self.page_size, -(-end // self.page_size))
+
+    def sources(self, start: int, end: int) -> list[Piece]:
+        """Where bytes [start, end) of one page not in RAM come from."""
+        page = self.pages.get(start // self.page_size)
+        if page is not None and page.state is PageState.SPILLED and page.chunk is not None:
+            c = page.chunk  # starts at the page start; valid up to the page's fill
+            return ChunkMap.of([c], c.offset + page.fill).pieces(start, end)
+        return self.base.pieces(start, end)
 
     def describe(self) -> dict[str, Any]:
         return {
             "path": self.path,
             "size": self.size,
-            "state": self.state,
+            "state": stat_state(self.state, self.flushing is not None, self.mirror),
             "version": self.version,
+            "role": self.role.value,
+            "mirror": self.mirror.value,
+            "holders": list(self.holders),
             "open": self.handles > 0,
-            "ram_bytes": self.ram_pages() * self.page_size,
-            "dirty_bytes": len(self.dirty_pages) * self.page_size,
+            "ram_bytes": self.ram_count * self.page_size,
+            "dirty_bytes": self.dirty_count * self.page_size,
             "flushed_bytes": self.flushed_bytes,
         }

@@ -2,27 +2,41 @@
 
 All methods block (they touch the backing store); callers run them in worker
 threads. Chunks are immutable, so two writers racing on the same hash are
-harmless: both rename identical bytes into place.
+harmless: both rename identical bytes into place. Every read is verified
+against the chunk's name; a mismatch raises :class:`ChunkCorrupt`.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Sequence
 from pathlib import Path
 
 import xxhash
 
 CKPTFS_DIR = ".ckptfs"
+Buffer = bytes | bytearray | memoryview
+STREAM_PIECE = 1 << 20  # bounce buffer of a streamed (verified range) read
 
 
 class ChunkCorrupt(OSError):
     """A chunk is missing, short, or its bytes do not match its hash."""
 
 
-def chunk_hash(data: bytes | memoryview) -> str:
+def chunk_hash(data: Buffer) -> str:
     """The xxh3-128 hex digest that names a chunk (releases the GIL above 64 KiB)."""
     return xxhash.xxh3_128_hexdigest(data)
+
+
+def pieces_hash(pieces: Sequence[Buffer]) -> str:
+    """The chunk hash of the concatenation of ``pieces``, without concatenating."""
+    if len(pieces) == 1:
+        return chunk_hash(pieces[0])
+    h = xxhash.xxh3_128()
+    for piece in pieces:
+        h.update(piece)
+    return h.hexdigest()
 
 
 class ChunkStore:
@@ -49,18 +63,32 @@ class ChunkStore:
             return False
         return True
 
-    def put(self, digest: str, data: bytes | memoryview) -> int:
-        """Store ``data`` under ``digest`` unless present; return bytes written."""
-        final = self.path_for(digest)
+    def put(self, digest: str, data: Buffer | Sequence[Buffer]) -> int:
+        """Store ``data`` (one buffer or pieces) under ``digest`` unless present.
+
+        Returns the bytes written (0 if the chunk was there already). Pieces
+        are written with writev straight from where they are (arena slots).
+        """
+        pieces: Sequence[Buffer] = (
+            [data] if isinstance(data, bytes | bytearray | memoryview) else data
+        )
         if self.touch(digest):
             return 0
+        final = self.path_for(digest)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.with_name(f"{digest}.tmp.{secrets.token_hex(4)}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
+        total = 0
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            views = [memoryview(p).cast("B") for p in pieces if len(p)]
+            while views:
+                n = os.writev(fd, views[:1024])
+                total += n
+                while views and n >= len(views[0]):
+                    n -= len(views[0])
+                    views.pop(0)
+                if views and n:
+                    views[0] = views[0][n:]
             os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -69,24 +97,100 @@ class ChunkStore:
         os.close(fd)
         os.rename(tmp, final)
         # The directory entry must be durable too before a manifest names it.
-        dfd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY)
+        dfd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             os.fsync(dfd)
         finally:
             os.close(dfd)
-        return len(data)
+        return total
+
+    def _label(self, digest: str, what: str) -> str:
+        return f"chunk {digest}" + (f" of {what}" if what else "")
+
+    def _open(self, digest: str, what: str) -> int:
+        try:
+            return os.open(self.path_for(digest), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise ChunkCorrupt(
+                f"{self._label(digest, what)} is missing from {self.path_for(digest)}"
+            ) from None
+
+    def _check_end(
+        self, fd: int, pos: int, h: xxhash.xxh3_128, digest: str, length: int, what: str
+    ) -> None:
+        """After reading ``length`` bytes: nothing more in the file, and the hash matches."""
+        if os.pread(fd, 1, pos):
+            raise ChunkCorrupt(
+                f"{self._label(digest, what)} is longer than the expected {length} bytes"
+            )
+        if h.hexdigest() != digest:
+            raise ChunkCorrupt(
+                f"{self._label(digest, what)} does not match its hash "
+                f"(corrupted in {self.path_for(digest)})"
+            )
 
     def get(self, digest: str, length: int, *, what: str = "") -> bytes:
         """Read a chunk and verify it; raise ChunkCorrupt naming ``what``."""
-        path = self.path_for(digest)
-        label = f"chunk {digest}" + (f" of {what}" if what else "")
+        buf = bytearray(length)
+        self.read_into(digest, length, [memoryview(buf)], what=what)
+        return bytes(buf)
+
+    def read_into(
+        self, digest: str, length: int, targets: Sequence[memoryview], *, what: str = ""
+    ) -> None:
+        """Read a chunk straight into ``targets`` (consecutive pieces), verified.
+
+        The targets hold the chunk's bytes in order and add up to ``length``.
+        On any error their contents are unspecified and must not be used.
+        """
+        fd = self._open(digest, what)
         try:
-            with open(path, "rb") as f:
-                data = f.read(length + 1)
-        except FileNotFoundError:
-            raise ChunkCorrupt(f"{label} is missing from {path}") from None
-        if len(data) != length:
-            raise ChunkCorrupt(f"{label} has {len(data)} bytes, expected {length}")
-        if chunk_hash(data) != digest:
-            raise ChunkCorrupt(f"{label} does not match its hash (corrupted in {path})")
-        return data
+            h = xxhash.xxh3_128()
+            pos = 0
+            for target in targets:
+                got = 0
+                while got < len(target):
+                    n = os.preadv(fd, [target[got:]], pos + got)
+                    if n == 0:
+                        raise ChunkCorrupt(
+                            f"{self._label(digest, what)} has {pos + got} bytes, expected {length}"
+                        )
+                    got += n
+                h.update(target)
+                pos += got
+            self._check_end(fd, pos, h, digest, length, what)
+        finally:
+            os.close(fd)
+
+    def read_range(
+        self, digest: str, length: int, start: int, count: int, *, what: str = ""
+    ) -> bytes:
+        """Bytes [start, start+count) of a chunk, after verifying the whole chunk.
+
+        Streams the chunk through a small buffer, keeping only the range asked
+        for: memory stays bounded whatever the chunk size (for readers that
+        found no room in the cache).
+        """
+        out = bytearray(count)
+        bounce = bytearray(min(STREAM_PIECE, max(1, length)))
+        fd = self._open(digest, what)
+        try:
+            h = xxhash.xxh3_128()
+            pos = 0
+            while pos < length:
+                view = memoryview(bounce)[: min(len(bounce), length - pos)]
+                n = os.preadv(fd, [view], pos)
+                if n == 0:
+                    raise ChunkCorrupt(
+                        f"{self._label(digest, what)} has {pos} bytes, expected {length}"
+                    )
+                piece = view[:n]
+                h.update(piece)
+                lo, hi = max(pos, start), min(pos + n, start + count)
+                if lo < hi:
+                    out[lo - start : hi - start] = piece[lo - pos : hi - pos]
+                pos += n
+            self._check_end(fd, pos, h, digest, length, what)
+        finally:
+            os.close(fd)
+        return bytes(out)

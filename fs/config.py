@@ -85,10 +85,15 @@ class Config:
     flush_workers: int = 4
     flush_bandwidth: int = 0  # bytes/s, 0 = unlimited
     chunk_size: int = 4 << 20
-    writeback_cache: bool = True
+    # Off: with it, the kernel trusts its own size and mtime of a regular file
+    # for ever, so a file rewritten on another node keeps its old size here.
+    writeback_cache: bool = False
     direct_writes: bool = True
     read_ahead_kb: int = 1024
-    fuse_workers: int = 16
+    # Handlers that wait (backpressure, durability) each hold a worker; FUSE
+    # service needs free ones. An idle worker costs nothing, a busy one ~2 MiB.
+    fuse_workers: int = 128
+    allow_other: bool = True
     backing_timeout: float = 120.0
     run_dir: Path = Path("/run/ckptfs")
     log_file: Path | None = None
@@ -178,8 +183,9 @@ SCHEMA: dict[str, tuple[str, Any]] = {
     "flush.bandwidth": ("flush_bandwidth", parse_size),
     "chunk_size": ("chunk_size", _chunk_size),
     "fuse.writeback_cache": ("writeback_cache", parse_bool),
-    "fuse.workers": ("fuse_workers", lambda v, k: parse_int(v, k, minimum=1)),
+    "fuse.workers": ("fuse_workers", lambda v, k: parse_int(v, k, minimum=8)),
     "fuse.direct_writes": ("direct_writes", parse_bool),
+    "fuse.allow_other": ("allow_other", parse_bool),
     "fuse.read_ahead_kb": ("read_ahead_kb", parse_int),
     "backing_timeout": ("backing_timeout", _timeout),
     "run_dir": ("run_dir", _path),

@@ -9,16 +9,13 @@ arena and its journal, and the next daemon on this mountpoint adopts it.
 
 from __future__ import annotations
 
-import csv
 import faulthandler
-import fnmatch
 import logging
 import os
 import shutil
 import signal
 import sys
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -26,107 +23,72 @@ import pyfuse3
 import trio
 
 from . import control
-from .arena import Arena
-from .backing import Backing
-from .blocking import BackingIO
-from .cache import Cache
-from .cachedfile import DIRTY, DURABLE, LOST, CachedFile
-from .chunkstore import CKPTFS_DIR, ChunkStore
 from .config import Config
-from .filesystem import FileSystem
-from .flusher import Flusher
-from .journal import Journal
-from .manifest import Manifest, read_manifest
+from .core import Core
 from .operations import Operations
 from .preflight import mount_id, run_files
-from .retention import apply_retention
+from .state import FileState
 
 log = logging.getLogger("ckptfs.daemon")
-HISTORY_FIELDS = ["time", "path", "size", "close_s", "mirrored_s", "durable_s", "throughput_MBps"]
 
 
 class Daemon:
     def __init__(self, config: Config, mountpoint: Path) -> None:
-        assert config.backing is not None
         self.config = config
         self.mountpoint = mountpoint
-        self.backing_root = config.backing
+        # The mount's owner (who owns the mountpoint, e.g. the job's user under a
+        # root daemon) may flush, evict and unmount it, as root may.
+        self.owners = {os.stat(mountpoint).st_uid, os.geteuid()}
         self.sock_path, self.pid_path, _ = run_files(config.run_dir, mountpoint)
-        self.cache_root = config.cache_dir / mount_id(mountpoint)
-        self.history_path = config.history_file or (
-            self.backing_root / CKPTFS_DIR / "history" / f"{config.node}.csv"
-        )
-        self.history: deque[dict[str, Any]] = deque(maxlen=20)
-        self.io = BackingIO(config.backing_timeout, max_threads=max(8, 2 * config.flush_workers))
-        self.cache_root.mkdir(parents=True, exist_ok=True)
-        self.arena = Arena(self.cache_root / "arena", config.cache_size)
-        self.journal = Journal(self.cache_root / "journal")
-        self.cache = Cache(self.arena, ChunkStore(self.backing_root), self.io, hash_threads=2)
-        self.flusher = Flusher(
-            self.cache,
-            self.io,
-            node=config.node,
-            workers=config.flush_workers,
-            bandwidth=config.flush_bandwidth,
-            chunk_size=config.chunk_size,
-            publish=lambda f, m: self.fs.publish(f, m),
-            on_durable=self._on_durable,
-        )
-        self.fs = FileSystem(config, Backing(self.backing_root, self.io), self.cache, self.flusher)
-        self.fs.on_publish.append(self._on_publish)
-        self.fs.on_modify.append(self._on_modify)
+        self.core = Core(config, config.cache_dir / mount_id(mountpoint))
         self.started = time.time()
-        self.prefaulted = 0
         self._terminating = False
 
     # ----- lifecycle ----------------------------------------------------------
     async def run(self) -> None:
-        self._recover()
-        ops = Operations(self.fs, self.config.writeback_cache, self.config.direct_writes)
-        options = set(pyfuse3.default_options) | {"fsname=ckptfs", "subtype=ckptfs", "allow_other"}
-        pyfuse3.init(ops, str(self.mountpoint), options)
+        core = self.core
         clean = False
         try:
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
-                await nursery.start(self.flusher.run)
-                nursery.start_soon(self.cache.run_spiller)
-                if self.config.cache_prefault:
-                    nursery.start_soon(self._prefault)
-                await nursery.start(control.serve, self.sock_path, self._handlers())
-                nursery.start_soon(self._signals)
-                nursery.start_soon(set_read_ahead, self.mountpoint, self.config.read_ahead_kb)
-                self.pid_path.write_text(f"{os.getpid()}\n")
-                log.info(
-                    "mounted %s (backing %s, node %s, cache %d MiB at %s, durability %s)",
-                    self.mountpoint,
-                    self.backing_root,
-                    self.config.node,
-                    self.arena.capacity >> 20,
-                    self.cache_root,
-                    self.config.durability,
-                )
-                await pyfuse3.main(min_tasks=2, max_tasks=self.config.fuse_workers)
-                clean = self._all_durable()
+                await core.start(nursery)
+                ops = Operations(core.fs, self.config.writeback_cache, self.config.direct_writes)
+                options = set(pyfuse3.default_options) | {"fsname=ckptfs", "subtype=ckptfs"}
+                if self.config.allow_other:
+                    options.add("allow_other")
+                pyfuse3.init(ops, str(self.mountpoint), options)
+                try:
+                    await nursery.start(control.serve, self.sock_path, self._routes(), self.owners)
+                    nursery.start_soon(self._signals)
+                    nursery.start_soon(set_read_ahead, self.mountpoint, self.config.read_ahead_kb)
+                    self.pid_path.write_text(f"{os.getpid()}\n")
+                    log.info(
+                        "mounted %s (backing %s, node %s, cache %d MiB at %s, durability %s%s)",
+                        self.mountpoint,
+                        core.backing_root,
+                        self.config.node,
+                        core.arena.capacity >> 20,
+                        core.cache_root,
+                        self.config.durability,
+                        f", {core.recovered} file(s) recovered" if core.recovered else "",
+                    )
+                    await pyfuse3.main(min_tasks=2, max_tasks=self.config.fuse_workers)
+                    clean = core.all_durable()
+                finally:
+                    pyfuse3.close(unmount=True)
                 nursery.cancel_scope.cancel()
         finally:
-            pyfuse3.close(unmount=True)
-            self.fs.close_all()
-            self.arena.close()
+            core.close()
             self.pid_path.unlink(missing_ok=True)
             if clean:
-                shutil.rmtree(self.cache_root, ignore_errors=True)
+                shutil.rmtree(core.cache_root, ignore_errors=True)
                 log.info("unmounted %s; everything was durable", self.mountpoint)
             else:
                 log.warning(
                     "unmounted %s with data not yet durable; it stays in %s for the next mount",
                     self.mountpoint,
-                    self.cache_root,
+                    core.cache_root,
                 )
-
-    def _all_durable(self) -> bool:
-        # Lost files are not ours to flush: their holders went away.
-        return all(f.state in (DURABLE, LOST) or f.unlinked for f in self.cache.files.values())
 
     async def _signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -141,232 +103,75 @@ class Daemon:
     async def _drain_and_terminate(self, timeout: float | None = None) -> None:
         self._terminating = True
         try:
-            await self.drain("", timeout)
+            await self.core.drain("", timeout)
         finally:
             pyfuse3.terminate()
 
-    async def drain(self, prefix: str, timeout: float | None) -> dict[str, Any]:
-        """Commit open writers under ``prefix`` and wait until all is durable."""
-        pending = []
-        for f in self.fs.files_under(prefix):
-            if f.state == LOST:
-                continue
-            if f.gen != f.published_gen:
-                await self.fs.commit(f)
-                if f.gen != f.published_gen:
-                    continue  # could not be published (its name is gone): nothing to wait for
-            if f.state not in (DURABLE, LOST):
-                self.flusher.enqueue(f)
-                pending.append(f)
-        failed: list[str] = []
-        with trio.move_on_after(timeout if timeout is not None else float("inf")):
-            for f in pending:
-                while f.state != DURABLE and not f.unlinked:
-                    await f.durable_event.wait()
-        failed = [f.path for f in pending if f.state != DURABLE and not f.unlinked]
-        return {
-            "ok": not failed,
-            "files": len(pending),
-            "not_durable": failed,
-            **({"error": f"{len(failed)} file(s) not durable yet"} if failed else {}),
-        }
-
-    async def _prefault(self) -> None:
-        """Touch the whole arena once, in the background (see arena.py)."""
-        start = time.monotonic()
-        for _ in range(-(-self.arena.nslots // 16)):
-            batch = self.arena.take_prefault_batch(16)
-            if not batch:
-                break
-            try:
-                self.prefaulted += await trio.to_thread.run_sync(self.arena.prefault, batch)
-            except OSError as exc:
-                log.error("pre-faulting the cache in %s stopped: %s", self.cache_root, exc)
-                return
-            finally:
-                self.arena.return_prefault_batch(batch)
-        log.info(
-            "pre-faulted %d MiB of cache in %.1fs", self.prefaulted >> 20, time.monotonic() - start
-        )
-
-    # ----- recovery -------------------------------------------------------------
-    def _recover(self) -> None:
-        """Adopt closed files a previous daemon left in the arena but had not flushed."""
-        claimed: set[int] = set()
-        for record in self.journal.load():
-            path = record["path"]
-            try:
-                manifest = read_manifest(self.backing_root / path)
-            except (OSError, ValueError):
-                manifest = None
-            slots = {s for s in record["pages"] if s >= 0}
-            f = CachedFile(
-                record["file_id"],
-                record["version"],
-                path,
-                record["size"],
-                record["mode"],
-                record["mtime_ns"],
-                self.cache.page_size,
-            )
-            if (
-                manifest is None
-                or (manifest.file_id, manifest.version) != (f.file_id, f.version)
-                or manifest.state != "pending"
-                or slots & claimed
-                or max(slots, default=-1) >= self.arena.nslots
-            ):
-                self.journal.remove(f)
-                continue
-            self.journal.restore(record, f)
-            claimed |= slots
-            f.state, f.gen, f.published_gen = DIRTY, 1, 1
-            self.cache.add(f)
-            self.flusher.enqueue(f)
-            log.info("recovered %s (%d bytes) from the cache; flushing it", path, f.size)
-        self.arena.claim(claimed)
-
-    # ----- hooks ------------------------------------------------------------------
-    async def _on_publish(self, f: CachedFile) -> None:
-        await trio.to_thread.run_sync(self.journal.write, Journal.record(f))
-
-    async def _on_modify(self, f: CachedFile) -> None:
-        """A published file is about to change: its journal record would be stale."""
-        await trio.to_thread.run_sync(self.journal.remove, f)
-
-    async def _on_durable(self, f: CachedFile, manifest: Manifest) -> None:
-        self.journal.remove(f)
-        now = time.time()
-        closed = f.closed_at or now
-        record = {
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)),
-            "path": f.path,
-            "size": f.size,
-            "close_s": round(closed - f.opened_at, 3),
-            "mirrored_s": "",
-            "durable_s": round(now - closed, 3),
-            "throughput_MBps": round(f.size / max(now - f.opened_at, 1e-6) / 1e6, 1),
-        }
-        self.history.append(record)
-        log.info("durable: %s (%d bytes, %.2fs after close)", f.path, f.size, now - closed)
-        try:
-            await self.io.run(self._append_history, record, what="history")
-        except OSError as exc:
-            log.warning("could not append to history %s: %s", self.history_path, exc)
-        await self._retention(f.path)
-
-    async def _retention(self, path: str) -> None:
-        """After a file in a checkpoint directory is durable, prune older ones."""
-        keep = self.config.retention_keep_last
-        parts = path.split("/")
-        hits = [
-            i
-            for i, part in enumerate(parts[:-1])
-            if fnmatch.fnmatchcase(part, self.config.retention_pattern)
-        ]
-        if not keep or not hits:
-            return
-        checkpoint_dir = "/".join(parts[: hits[-1] + 1])
-        if any(f.state != DURABLE for f in self.fs.files_under(checkpoint_dir)):
-            return  # apply_retention waits for the whole directory: walk once, at its end
-        root = self.backing_root.joinpath(*parts[: hits[-1]])
-        audit = self.config.retention_audit_log or (
-            self.backing_root / CKPTFS_DIR / "retention.log"
-        )
-        try:
-            await self.io.run(
-                apply_retention,
-                root,
-                self.config.retention_pattern,
-                keep,
-                audit,
-                what=f"retention under {root}",
-            )
-        except OSError as exc:
-            log.error("retention under %s failed: %s", root, exc)
-
-    def _append_history(self, record: dict[str, Any]) -> None:
-        self.history_path.parent.mkdir(parents=True, exist_ok=True)
-        new = not self.history_path.exists()
-        with open(self.history_path, "a", newline="") as out:
-            writer = csv.DictWriter(out, fieldnames=HISTORY_FIELDS)
-            if new:
-                writer.writeheader()
-            writer.writerow(record)
-
     # ----- control ------------------------------------------------------------------
-    def _handlers(self) -> dict[str, control.Handler]:
+    def _routes(self) -> dict[str, control.Route]:
         return {
-            "ping": self._ping,
-            "stat": self._stat,
-            "flush": self._flush,
-            "evict": self._evict,
-            "unmount": self._unmount,
+            "ping": control.Route(self._ping, privileged=False),
+            "stat": control.Route(self._stat, privileged=False),
+            "flush": control.Route(self._flush, privileged=True),
+            "evict": control.Route(self._evict, privileged=True),
+            "unmount": control.Route(self._unmount, privileged=True),
         }
 
     async def _ping(self, req: dict[str, Any]) -> dict[str, Any]:
-        return {"ok": True, "pid": os.getpid(), "mountpoint": str(self.mountpoint)}
+        return {
+            "ok": True,
+            "pid": os.getpid(),
+            "mountpoint": str(self.mountpoint),
+            "backing": str(self.core.backing_root),
+            "node": self.config.node,
+        }
 
     async def _stat(self, req: dict[str, Any]) -> dict[str, Any]:
+        core = self.core
         prefix = str(req.get("path", ""))
-        files = [
-            {**f.describe(), "holders": [self.config.node]}
-            for f in sorted(self.fs.files_under(prefix), key=lambda f: f.path)
-        ]
-        lost = [
-            {"path": p, "reason": r}
-            for p, r in sorted(self.cache.lost.items())
-            if not prefix or p == prefix or p.startswith(prefix + "/")
-        ]
+        under = sorted(core.fs.files_under(prefix), key=lambda f: f.path)
         return {
             "ok": True,
             "mountpoint": str(self.mountpoint),
-            "backing": str(self.backing_root),
+            "backing": str(core.backing_root),
             "node": self.config.node,
             "pid": os.getpid(),
             "durability": self.config.durability,
             "uptime": round(time.time() - self.started, 1),
+            "memory": await trio.to_thread.run_sync(memory_usage),
             "cache": {
-                **self.cache.stats(),
-                "dir": str(self.cache_root),
-                "prefaulted": self.prefaulted,
+                **core.cache.stats(),
+                "dir": str(core.cache_root),
+                "prefaulted": core.prefaulted,
             },
-            "flush": self.flusher.stats(),
-            "backing_health": self.io.health,
-            "backing_calls": {"slow": self.io.slow_calls, "timed_out": self.io.timeouts},
-            "files": files,
-            "lost": lost,
+            "flush": core.flusher.stats(),
+            "fuse": core.fs.describe(),
+            "backing_health": core.io.health,
+            "backing_calls": {"slow": core.io.slow_calls, "timed_out": core.io.timeouts},
+            "files": [f.describe() for f in under],
+            "lost": [
+                {"path": f.path, "reason": f.lost_reason}
+                for f in under
+                if f.state is FileState.LOST
+            ],
             "peers": [],
-            "history": list(self.history),
+            "history": list(core.history),
         }
 
     async def _flush(self, req: dict[str, Any]) -> dict[str, Any]:
         prefix = str(req.get("path", ""))
         if req.get("wait"):
             timeout = req.get("timeout")
-            return await self.drain(prefix, float(timeout) if timeout else None)
-        count = 0
-        for f in self.fs.files_under(prefix):
-            if f.gen != f.published_gen and not f.writers:
-                await self.fs.commit(f)
-            if f.state not in (DURABLE, LOST):
-                self.flusher.enqueue(f)
-                count += 1
-        return {"ok": True, "files": count}
+            return await self.core.drain(prefix, float(timeout) if timeout else None)
+        return {"ok": True, "files": await self.core.flush(prefix)}
 
     async def _evict(self, req: dict[str, Any]) -> dict[str, Any]:
-        prefix = str(req.get("path", ""))
-        freed, kept = 0, []
-        for f in self.fs.files_under(prefix):
-            if f.state == DURABLE and not f.writers:
-                freed += self.cache.evict(f)
-            elif f.ram_pages():
-                kept.append(f.path)
+        freed, kept = self.core.evict(str(req.get("path", "")))
         return {"ok": True, "freed": freed, "not_durable": kept}
 
     async def _unmount(self, req: dict[str, Any]) -> dict[str, Any]:
         timeout = req.get("timeout")
-        result = await self.drain("", float(timeout) if timeout else None)
+        result = await self.core.drain("", float(timeout) if timeout else None)
         if result["ok"] or req.get("force"):
             self.nursery.start_soon(self._terminate_soon)
         return result
@@ -375,6 +180,20 @@ class Daemon:
         self._terminating = True
         await trio.sleep(0.05)  # let the reply reach the client first
         pyfuse3.terminate()
+
+
+def memory_usage() -> dict[str, int]:
+    """The daemon's resident memory, split as /proc reports it: anonymous memory
+    is what the daemon holds outside the arena; shared memory is arena pages
+    this process has mapped."""
+    fields = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem"}
+    out = {}
+    with open("/proc/self/status") as status:
+        for line in status:
+            key, _, value = line.partition(":")
+            if key in fields:
+                out[fields[key]] = int(value.split()[0]) * 1024
+    return out
 
 
 async def set_read_ahead(mountpoint: Path, kb: int) -> None:
@@ -416,5 +235,6 @@ def setup_logging(log_file: Path | None, foreground: bool) -> None:
 
 def run_daemon(config: Config, mountpoint: Path) -> None:
     faulthandler.register(signal.SIGUSR1)
-    config.run_dir.mkdir(parents=True, exist_ok=True)
+    # 0755: every user may reach the control socket (it checks who asks).
+    config.run_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
     trio.run(Daemon(config, mountpoint).run)

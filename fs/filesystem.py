@@ -1,10 +1,16 @@
 """The filesystem's logic, free of pyfuse3 types so it can be tested directly.
 
 Names live in the backing directory (:mod:`backing`); file contents live in
-the cache (:mod:`cache`) and are persisted by the flusher. Close and fsync are
-the durability points: the file's manifest is published (``pending``), the
-file is queued for flushing, and at ``durability: backing`` the call waits
-until the manifest is ``durable``.
+the cache (:mod:`cache`), which owns their state, and are persisted by the
+flusher. Close and fsync are the durability points: the file's journal
+record is saved, its pending manifest is published, it is queued for
+flushing, and at ``durability: backing`` the call waits until it is durable.
+
+Ownership and permissions are those of a local filesystem: the kernel checks
+permissions (``default_permissions``) against the attributes given here; new
+files, directories and symlinks belong to the caller (with the parent's group
+under a setgid directory), and the backing store keeps the owner on every
+name, manifests included.
 """
 
 from __future__ import annotations
@@ -22,21 +28,30 @@ from typing import Any
 import trio
 
 from .backing import Backing, Entry
-from .cache import Cache, FileLost
-from .cachedfile import DURABLE, LOST, CachedFile
+from .cache import MAX_FILE_SIZE, Cache, FileLost
+from .cachedfile import CachedFile
+from .chunkstore import ChunkCorrupt
 from .config import Config
 from .flusher import Flusher
 from .inodes import ROOT, Inode, InodeTable
+from .journal import record_of
 from .manifest import Manifest, new_id
+from .state import FileState, Published
 
 log = logging.getLogger("ckptfs.fs")
+PRIVILEGE_BITS = stat.S_ISUID | stat.S_ISGID
+RETRY_INTERVAL = 5.0
 
 
 class FsError(OSError):
-    """An error for the caller with an errno (becomes the FUSE reply)."""
+    """An error for the caller with an errno (becomes the FUSE reply).
 
-    def __init__(self, err: int, message: str = "") -> None:
+    ``logged``: the cause was already logged where it happened.
+    """
+
+    def __init__(self, err: int, message: str = "", logged: bool = False) -> None:
         super().__init__(err, message or os.strerror(err))
+        self.logged = logged
 
 
 @dataclass
@@ -58,6 +73,7 @@ class Handle:
     file: CachedFile | None = None
     plain_fd: int | None = None
     writable: bool = False
+    uid: int = 0  # who opened it: writes by anyone but root clear setuid/setgid
 
 
 @dataclass
@@ -68,6 +84,27 @@ class SetAttr:
     size: int | None = None
     atime_ns: int | None = None
     mtime_ns: int | None = None
+
+
+@dataclass
+class Caller:
+    uid: int
+    gid: int
+
+
+def kills_privileges(mode: int) -> bool:
+    """Whether a write (or chown) clears setuid/setgid, as Linux does: setuid
+    always, setgid only with group-execute (without it, it marks mandatory locking)."""
+    return bool(mode & stat.S_ISUID) or (mode & (stat.S_ISGID | stat.S_IXGRP)) == (
+        stat.S_ISGID | stat.S_IXGRP
+    )
+
+
+def without_privileges(mode: int) -> int:
+    mode &= ~stat.S_ISUID
+    if mode & stat.S_IXGRP:
+        mode &= ~stat.S_ISGID
+    return mode
 
 
 class FileSystem:
@@ -82,33 +119,34 @@ class FileSystem:
         self.dir_handles: dict[int, tuple[int, list[tuple[str, Entry]] | None]] = {}
         self._fh = itertools.count(1)
         self.ns_lock = trio.Lock()  # path-dependent backing updates (rename vs. publish)
+        self._retry: set[CachedFile] = set()  # commits that failed; retried in the background
         cache.referenced = self._referenced
-        self.on_publish: list[Any] = []  # hooks: async fn(CachedFile), after a publish
-        self.on_modify: list[Any] = []  # hooks: async fn(CachedFile), before a published
-        # file changes or goes away
 
     # ----- attributes -------------------------------------------------------
     def _attr(self, inode: Inode, entry: Entry | None) -> Attr:
         f = inode.file
         st = entry.st if entry else None
+        now = time.time_ns()
         if inode.kind == "file" and f is not None and (entry is None or self._local(f, entry)):
-            mode, size, mtime = stat.S_IFREG | f.mode, f.size, f.mtime_ns
+            mode, size, uid, gid = stat.S_IFREG | f.mode, f.size, f.uid, f.gid
+            atime, mtime = f.atime_ns, f.mtime_ns
         elif entry is not None and entry.manifest is not None:
             m = entry.manifest
-            mode, size, mtime = stat.S_IFREG | (m.mode & 0o7777), m.size, m.mtime_ns
+            mode, size = stat.S_IFREG | (m.mode & 0o7777), m.size
+            uid, gid, atime, mtime = entry.st.st_uid, entry.st.st_gid, m.atime, m.mtime_ns
         elif st is not None:
-            mode, size, mtime = st.st_mode, st.st_size, st.st_mtime_ns
+            mode, size, uid, gid = st.st_mode, st.st_size, st.st_uid, st.st_gid
+            atime, mtime = st.st_atime_ns, st.st_mtime_ns
         else:
             raise FsError(errno.ENOENT)
-        now = time.time_ns()
         return Attr(
             ino=inode.ino,
             mode=mode,
             size=size,
             nlink=0 if inode.unlinked else (st.st_nlink if st and inode.kind == "dir" else 1),
-            uid=st.st_uid if st else 0,
-            gid=st.st_gid if st else 0,
-            atime_ns=st.st_atime_ns if st else now,
+            uid=uid,
+            gid=gid,
+            atime_ns=atime,
             mtime_ns=mtime,
             ctime_ns=st.st_ctime_ns if st else now,
         )
@@ -120,7 +158,7 @@ class FileSystem:
         return (
             m is not None
             and m.file_id == f.file_id
-            and (f.handles > 0 or f.gen != f.published_gen or f.version == m.version)
+            and (f.handles > 0 or f.modified or f.version == m.version)
         )
 
     async def _entry(self, path: str) -> Entry:
@@ -170,13 +208,19 @@ class FileSystem:
         return inode is not None and inode.file is f
 
     def forget(self, ino: int, count: int) -> None:
-        freed = self.inodes.forget(ino, count)
-        if freed is not None and freed.file is not None:
-            self._maybe_drop(freed.file)
+        self.inodes.forget(ino, count)
 
-    def _maybe_drop(self, f: CachedFile) -> None:
-        if f.unlinked and f.handles == 0:
-            self.cache.drop(f)
+    # ----- ownership of new names --------------------------------------------
+    async def _new_owner(self, parent: int, caller: Caller) -> tuple[int, int, bool]:
+        """(uid, gid, parent is setgid) for a name created under ``parent``."""
+        st = (await self._entry(self.inodes.path(parent))).st
+        if st.st_mode & stat.S_ISGID:
+            return caller.uid, st.st_gid, True
+        return caller.uid, caller.gid, False
+
+    async def _chown_new(self, path: str, uid: int, gid: int) -> None:
+        if (uid, gid) != (os.geteuid(), os.getegid()):
+            await self.backing.chown(path, uid, gid)
 
     # ----- directories ------------------------------------------------------
     async def opendir(self, ino: int) -> int:
@@ -203,15 +247,17 @@ class FileSystem:
     def releasedir(self, fh: int) -> None:
         self.dir_handles.pop(fh, None)
 
-    async def mkdir(self, parent: int, name: str, mode: int, uid: int, gid: int) -> Attr:
+    async def mkdir(self, parent: int, name: str, mode: int, caller: Caller) -> Attr:
         path = self.inodes.child_path(parent, name)
-        await self.backing.mkdir(path, mode & 0o7777)
+        uid, gid, setgid = await self._new_owner(parent, caller)
+        mode &= 0o7777
+        if setgid:
+            mode |= stat.S_ISGID  # directories inherit the setgid bit itself
+        await self.backing.mkdir(path, mode)
         await self._chown_new(path, uid, gid)
+        if setgid:  # chown may have cleared it; and mkdir's mode bits are advisory
+            await self.backing.chmod(path, mode)
         return await self.lookup(parent, name)
-
-    async def _chown_new(self, path: str, uid: int, gid: int) -> None:
-        if os.geteuid() == 0 and (uid or gid):
-            await self.backing.chown(path, uid, gid)
 
     async def rmdir(self, parent: int, name: str) -> None:
         path = self.inodes.child_path(parent, name)
@@ -221,8 +267,9 @@ class FileSystem:
         await self.backing.rmdir(path)
         self.inodes.detach(parent, name)
 
-    async def symlink(self, parent: int, name: str, target: bytes, uid: int, gid: int) -> Attr:
+    async def symlink(self, parent: int, name: str, target: bytes, caller: Caller) -> Attr:
         path = self.inodes.child_path(parent, name)
+        uid, gid, _ = await self._new_owner(parent, caller)
         await self.backing.symlink(target, path)
         await self._chown_new(path, uid, gid)
         return await self.lookup(parent, name)
@@ -238,22 +285,18 @@ class FileSystem:
             if entry.kind == "dir":
                 raise FsError(errno.EISDIR)
             await self.backing.unlink(path)
-            gone = self._removed(parent, name, entry)
-        if gone is not None:
-            await self._run_hooks(self.on_modify, gone)
-        log.info("deleted %s", path)
+            self._removed(parent, name, entry)
+        log.debug("deleted %s", path)
 
-    def _removed(self, parent: int, name: str, entry: Entry) -> CachedFile | None:
+    def _removed(self, parent: int, name: str, entry: Entry) -> None:
         """A name went away: its file's bytes live on only for open handles."""
         inode = self.inodes.detach(parent, name)
         f = inode.file if inode is not None else None
         if f is None and entry.manifest is not None:
             f = self.cache.files.get(entry.manifest.file_id)
-        if f is not None:
-            f.unlinked = True
-            self._maybe_drop(f)
-            return f
-        return None
+        if f is not None and (entry.manifest is None or f.file_id == entry.manifest.file_id):
+            self._retry.discard(f)
+            self.cache.unlink(f)
 
     async def rename(self, p_old: int, old: str, p_new: int, new: str, flags: int) -> None:
         if flags & ~getattr(os, "RENAME_NOREPLACE", 1):
@@ -269,36 +312,30 @@ class FileSystem:
             if target is not None and flags:
                 raise FsError(errno.EEXIST)
             await self.backing.rename(old_path, new_path)
-            replaced = None
             if target is not None and target.ident != source.ident:
-                replaced = self._removed(p_new, new, target)
+                self._removed(p_new, new, target)
             inode = self.inodes.child(p_old, old) or self._bind(p_old, old, source)
             self.inodes.move(inode, p_new, new)
             moved = self._repath(old_path, new_path)
-        if replaced is not None:
-            await self._run_hooks(self.on_modify, replaced)
-        # Closed files not durable yet: their crash-journal records name the path.
+        # Pending versions' journal records name the path recovery looks at.
         for f in moved:
-            if f.state != DURABLE and f.gen == f.published_gen and not f.writers:
-                await self._run_hooks(self.on_publish, f)
+            if f.state is FileState.PENDING:
+                await self.cache.journal.save(record_of(self.cache.journal_snapshot(f)))
 
     def _repath(self, old: str, new: str) -> list[CachedFile]:
         moved = []
-        for f in self.cache.files.values():
+        for f in self.cache.all_files():
             if f.path == old or f.path.startswith(old + "/"):
                 f.path = new + f.path[len(old) :]
                 moved.append(f)
         return moved
 
-    @staticmethod
-    async def _run_hooks(hooks: list[Any], f: CachedFile) -> None:
-        for hook in hooks:
-            await hook(f)
-
     # ----- files ------------------------------------------------------------
-    def _open_handle(self, inode: Inode, f: CachedFile | None, writable: bool) -> int:
+    def _open_handle(
+        self, inode: Inode, f: CachedFile | None, writable: bool, caller: Caller
+    ) -> int:
         fh = next(self._fh)
-        self.handles[fh] = Handle(inode, f, writable=writable)
+        self.handles[fh] = Handle(inode, f, writable=writable, uid=caller.uid)
         inode.opens += 1
         if f is not None:
             f.handles += 1
@@ -306,60 +343,70 @@ class FileSystem:
         return fh
 
     async def create(
-        self, parent: int, name: str, mode: int, flags: int, uid: int, gid: int
+        self, parent: int, name: str, mode: int, flags: int, caller: Caller
     ) -> tuple[int, Attr]:
         path = self.inodes.child_path(parent, name)
-        f = self.cache.new_file(new_id(), new_id(), path, mode & 0o7777)
+        uid, gid, _ = await self._new_owner(parent, caller)
+        f = self.cache.new_file(new_id(), new_id(), path, mode & 0o7777, uid, gid)
         try:
             async with self.ns_lock:
-                await self.backing.write_manifest(path, self._pending_manifest(f))
+                await self.backing.write_manifest(path, self._manifest(f, f.version), (uid, gid))
         except BaseException:
             self.cache.drop(f)
             raise
-        await self._chown_new(path, uid, gid)
         entry = await self._entry(path)
         inode = self._bind(parent, name, entry)
         inode.file, f.ino = f, inode.ino
         inode.kernel_version = f.version
         inode.nlookup += 1
-        fh = self._open_handle(inode, f, writable=True)
+        fh = self._open_handle(inode, f, writable=True, caller=caller)
         return fh, self._attr(inode, None)
 
-    def _pending_manifest(self, f: CachedFile) -> Manifest:
-        return Manifest(f.file_id, f.version, f.size, f.mode, f.mtime_ns, "pending", [self.node])
+    def _manifest(self, f: CachedFile, version: str, size: int | None = None) -> Manifest:
+        """The pending manifest of ``f`` at ``version``."""
+        return Manifest(
+            f.file_id,
+            version,
+            f.size if size is None else size,
+            f.mode,
+            f.mtime_ns,
+            "pending",
+            [self.node],
+            atime_ns=f.atime_ns,
+        )
 
-    async def open(self, ino: int, flags: int) -> tuple[int, bool]:
+    async def open(self, ino: int, flags: int, caller: Caller) -> tuple[int, bool]:
         """Open a file; returns (fh, whether the kernel may keep its cached pages)."""
         inode = self._inode(ino)
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         if inode.kind == "plain" and not writable:
             fd = await self.backing.open_plain(self.inodes.path(ino))
-            fh = self._open_handle(inode, None, writable=False)
+            fh = self._open_handle(inode, None, writable=False, caller=caller)
             self.handles[fh].plain_fd = fd
             return fh, False
         if inode.kind not in ("file", "plain"):
             raise FsError(errno.EISDIR if inode.kind == "dir" else errno.ELOOP)
         truncate = writable and bool(flags & os.O_TRUNC)
         f = await self._file_for(inode, writable, truncate)
-        if writable and f.state == LOST and not truncate:
-            raise FsError(errno.EIO, f"{f.path}: its bytes are lost; only O_TRUNC may rewrite it")
-        if writable and not f.writers and f.published_gen >= 0:
-            await self._run_hooks(self.on_modify, f)
-        fh = self._open_handle(inode, f, writable)
+        if writable and f.state is FileState.LOST and not truncate:
+            raise FsError(
+                errno.EIO, f"{f.path}: its bytes are lost; only O_TRUNC may rewrite it", True
+            )
+        fh = self._open_handle(inode, f, writable, caller)
         try:
-            if truncate and f.size:
+            if truncate and (f.size or f.state is FileState.LOST):
                 await self.cache.truncate(f, 0)
         except BaseException:
             await self.release(fh)
             raise
-        keep = inode.kernel_version == f.version
+        keep = inode.kernel_version == f.version and not f.modified
         inode.kernel_version = f.version
         return fh, keep
 
     async def _file_for(self, inode: Inode, writable: bool, truncate: bool = False) -> CachedFile:
-        """The cached file behind an inode, built from its manifest if needed."""
+        """The cached file behind an inode, (re)loaded from its manifest if needed."""
         f = inode.file
-        if f is not None and (inode.unlinked or f.handles or f.gen != f.published_gen):
+        if f is not None and (inode.unlinked or f.handles or f.modified):
             return f  # open or changed here: our copy is the current one
         if inode.unlinked:
             raise FsError(errno.ENOENT)
@@ -370,29 +417,8 @@ class FileSystem:
         m = entry.manifest
         if m is None:
             raise FsError(errno.EISDIR)
-        if f is None or f.file_id != m.file_id:
-            f = self.cache.files.get(m.file_id)
-        if f is not None and self._local(f, entry):
-            f.path = path
-        else:
-            f = self._from_manifest(m, path)
+        f = self.cache.load(m, path, entry.st.st_uid, entry.st.st_gid)
         inode.file, f.ino = f, inode.ino
-        return f
-
-    def _from_manifest(self, m: Manifest, path: str) -> CachedFile:
-        if m.state == "durable":
-            return self.cache.from_manifest(m, path)
-        # Pending elsewhere: only its holders have the bytes, and peer reads
-        # are not available on this node.
-        f = self.cache.from_manifest(
-            Manifest(m.file_id, m.version, m.size, m.mode, m.mtime_ns, "durable", m.holders),
-            path,
-        )
-        f.state = LOST
-        holders = ", ".join(m.holders) or "none"
-        reason = f"not durable yet and no reachable holder has its bytes (holders: {holders})"
-        self.cache.lost[path] = reason
-        log.error("%s is lost: %s", path, reason)
         return f
 
     async def _adopt_plain(
@@ -401,8 +427,9 @@ class FileSystem:
         """Writing to a plain backing file turns it into a ckptfs file at close."""
         if not writable:
             raise FsError(errno.EIO, "plain file opened through the cache")
-        f = self.cache.new_file(new_id(), new_id(), path, entry.st.st_mode & 0o7777)
-        if not truncate:  # its old bytes are kept: copy them in (spillable as a writer)
+        st = entry.st
+        f = self.cache.new_file(new_id(), new_id(), path, st.st_mode & 0o7777, st.st_uid, st.st_gid)
+        if not truncate:  # its old bytes are kept: copy them in (spillable while MODIFIED)
             f.writers += 1
             try:
                 fd = await self.backing.open_plain(path)
@@ -418,7 +445,7 @@ class FileSystem:
                 raise
             finally:
                 f.writers -= 1
-        f.mtime_ns = entry.st.st_mtime_ns
+        f.mtime_ns, f.atime_ns = st.st_mtime_ns, st.st_atime_ns
         f.replaces_plain = True  # the plain file stays until the first publish
         inode.kind, inode.file, f.ino = "file", f, inode.ino
         inode.ident = ("file", f.file_id)
@@ -428,20 +455,31 @@ class FileSystem:
         handle = self.handles[fh]
         if handle.plain_fd is not None:
             return await self.backing.pread(handle.plain_fd, size, off, handle.inode.name)
-        assert handle.file is not None
+        f = handle.file
+        assert f is not None
         try:
-            return await self.cache.read(handle.file, off, size)
+            return await self.cache.read(f, off, size)
         except FileLost as exc:
-            log.error("read of %s failed: %s", handle.file.path, exc)
-            raise FsError(errno.EIO, str(exc)) from None
+            log.error("read of %s failed: %s", f.path, exc.strerror)
+            raise FsError(errno.EIO, exc.strerror, logged=True) from None
+        except ChunkCorrupt as exc:
+            raise FsError(errno.EIO, f"{f.path}: {exc}", logged=True) from None
         except OSError as exc:
-            raise FsError(errno.EIO, f"{handle.file.path}: {exc}") from None
+            raise FsError(errno.EIO, f"{f.path}: {exc}") from None
 
     async def write(self, fh: int, off: int, data: bytes) -> int:
         handle = self.handles[fh]
-        if handle.file is None:
+        f = handle.file
+        if f is None or not handle.writable:
             raise FsError(errno.EBADF)
-        return await self.cache.write(handle.file, off, data)
+        if off + len(data) > MAX_FILE_SIZE:
+            raise FsError(errno.EFBIG, f"{f.path}: beyond the maximum file size")
+        if handle.uid != 0 and kills_privileges(f.mode):
+            f.mode = without_privileges(f.mode)  # published with the content at close
+        try:
+            return await self.cache.write(f, off, data)
+        except FileLost as exc:
+            raise FsError(errno.EIO, exc.strerror, logged=True) from None
 
     async def flush(self, fh: int) -> None:
         """close(): the durability point for data written through this handle."""
@@ -463,76 +501,105 @@ class FileSystem:
         if f is not None:
             f.handles -= 1
             f.writers -= handle.writable
-            if handle.writable and not f.writers and f.gen != f.published_gen:
-                await self.commit(f)
-            self._maybe_drop(f)
+            try:
+                if handle.writable and not f.writers and f.modified:
+                    await self.commit(f)
+            finally:
+                self.cache.handle_closed(f)
         if not handle.inode.nlookup and not handle.inode.opens:
             self.forget(handle.inode.ino, 0)
 
     async def commit(self, f: CachedFile) -> None:
         """Publish what has changed and queue it; wait at `backing` durability."""
-        if f.unlinked:
+        async with f.commit_lock:
+            if f.state is FileState.MODIFIED:
+                await self._publish_content(f)
+        if self.config.durability == "backing" and f.state is not FileState.UNLINKED:
+            await self.wait_durable(f)
+
+    async def _publish_content(self, f: CachedFile) -> None:
+        snap = self.cache.begin_publish(f, new_id())
+        try:
+            try:
+                await self.cache.journal.save(record_of(snap))
+            except OSError as exc:  # tmpfs full or gone: publish anyway, without crash safety
+                log.error("cache journal for %s not written (%s): a daemon crash before "
+                          "it is durable loses it", f.path, exc)  # fmt: skip
+            path = f.path
+            result = await self.publish(f, lambda _: self._manifest(f, snap.version, snap.size))
+        except BaseException:
+            self.cache.publish_failed(snap, name_gone=False)
+            if f.state is FileState.MODIFIED and not f.writers:
+                self._retry.add(f)  # nobody else will commit it
+            raise
+        if result is not Published.DONE:
+            self.cache.publish_failed(snap, name_gone=True)
             return
-        if f.gen != f.published_gen:
-            f.version = new_id()
-            gen = f.gen
-            published = await self.publish(f, lambda _: self._pending_manifest(f))
-            if not published:
-                return
-            f.published_gen = gen
-            f.closed_at = time.time()
-            self.cache.lost.pop(f.path, None)  # rewritten: whatever was lost is replaced
+        self._retry.discard(f)
+        if self.cache.published(snap):
+            if f.path != path:  # renamed while its record was being written
+                await self.cache.journal.save(record_of(self.cache.journal_snapshot(f)))
             inode = self.inodes.get(f.ino) if f.ino else None
             if inode is not None:
                 inode.kernel_version = f.version
-            self.flusher.enqueue(f)
-            await self._run_hooks(self.on_publish, f)
-        if self.config.durability == "backing":
-            await self.wait_durable(f)
+
+    async def retry_commits(self) -> None:
+        """Background task: commit again files whose commit failed (backing store
+        errors), since no writer is left to do it."""
+        while True:
+            await trio.sleep(RETRY_INTERVAL)
+            for f in list(self._retry):
+                if f.state is not FileState.MODIFIED or f.writers:
+                    self._retry.discard(f)
+                    continue
+                try:
+                    await self.commit(f)
+                except OSError as exc:
+                    log.warning("commit of %s failed again: %s", f.path, exc)
 
     async def wait_durable(self, f: CachedFile, timeout: float | None = None) -> None:
         limit = timeout if timeout is not None else max(600.0, 4 * self.config.backing_timeout)
         with trio.move_on_after(limit):
-            while f.state != DURABLE and not f.unlinked:
+            while f.state not in (FileState.DURABLE, FileState.UNLINKED):
                 await f.durable_event.wait()
             return
         raise FsError(errno.EIO, f"{f.path} did not become durable within {limit:.0f}s")
 
     async def publish(
         self, f: CachedFile, make: Callable[[Manifest | None], Manifest | None]
-    ) -> bool:
-        """Write ``make()`` at the file's current path if that path is still ours.
+    ) -> Published:
+        """Write ``make(current)`` at the file's current path if that path is still ours.
 
         The manifest is built under the namespace lock, so it reflects the
         file's state at the moment it is written (a metadata update can never
-        put back a pending manifest over a newer durable one). ``make`` returns
-        None when what it would publish is already stale.
+        put back a pending manifest over a newer durable one). ``make``
+        returns None when what it would publish is already stale. The manifest
+        file is owned by the file's owner.
         """
         async with self.ns_lock:
             if f.unlinked:
-                return False
+                return Published.NAME_GONE
             try:
                 current = await self.backing.manifest(f.path)
             except FileNotFoundError:
-                current = None
-            if (current is None and not f.replaces_plain) or (
-                current is not None and current.file_id != f.file_id
-            ):
-                log.warning("%s no longer names the file being written; not publishing", f.path)
-                return False
+                return Published.NAME_GONE
+            if current is None and not f.replaces_plain:
+                return Published.NAME_GONE  # a plain file was put at the path
+            if current is not None and current.file_id != f.file_id:
+                return Published.NAME_GONE
             manifest = make(current)
             if manifest is None:
-                return False
-            await self.backing.write_manifest(f.path, manifest)
+                return Published.STALE
+            await self.backing.write_manifest(f.path, manifest, (f.uid, f.gid))
             f.replaces_plain = False
-            return True
+            return Published.DONE
 
-    async def setattr(self, ino: int, change: SetAttr, fh: int | None) -> Attr:
+    async def setattr(self, ino: int, change: SetAttr, caller: Caller) -> Attr:
         inode = self._inode(ino)
         if inode.kind == "file" or (inode.kind == "plain" and change.size is not None):
-            return await self._setattr_file(inode, change)
+            return await self._setattr_file(inode, change, caller)
         path = self.inodes.path(ino)
-        if change.mode is not None:
+        if change.mode is not None and inode.kind != "symlink":
             await self.backing.chmod(path, change.mode & 0o7777)
         if change.uid is not None or change.gid is not None:
             await self.backing.chown(
@@ -549,69 +616,78 @@ class FileSystem:
             )
         return await self.getattr(ino)
 
-    async def _setattr_file(self, inode: Inode, change: SetAttr) -> Attr:
+    async def _setattr_file(self, inode: Inode, change: SetAttr, caller: Caller) -> Attr:
         f = await self._file_for(inode, writable=change.size is not None)
+        if change.size is not None and change.size > MAX_FILE_SIZE:
+            raise FsError(errno.EFBIG, f"{f.path}: size {change.size} beyond the maximum")
         if change.size is not None and change.size != f.size:
-            if f.state == LOST and change.size:
-                raise FsError(errno.EIO, f"{f.path}: its bytes are lost; truncate it to 0")
-            if not f.writers and f.published_gen >= 0:
-                await self._run_hooks(self.on_modify, f)
+            if f.state is FileState.LOST and change.size:
+                raise FsError(errno.EIO, f"{f.path}: its bytes are lost; truncate it to 0", True)
+            if caller.uid != 0 and kills_privileges(f.mode):
+                f.mode = without_privileges(f.mode)
             await self.cache.truncate(f, change.size)
+        owner_changed = False
+        if change.uid is not None or change.gid is not None:
+            uid = f.uid if change.uid is None else change.uid
+            gid = f.gid if change.gid is None else change.gid
+            owner_changed = (uid, gid) != (f.uid, f.gid)
+            f.uid, f.gid = uid, gid
+            if owner_changed and change.mode is None and kills_privileges(f.mode):
+                f.mode = without_privileges(f.mode)  # as chown(2) does on Linux
         if change.mode is not None:
             f.mode = change.mode & 0o7777
+        if change.atime_ns is not None:
+            f.atime_ns = change.atime_ns
         if change.mtime_ns is not None:
             f.mtime_ns = change.mtime_ns
-        if not inode.unlinked:
-            path = self.inodes.path(inode.ino)
-            if change.uid is not None or change.gid is not None:
-                await self.backing.chown(
-                    path,
-                    -1 if change.uid is None else change.uid,
-                    -1 if change.gid is None else change.gid,
-                )
-            if not f.writers:
-                if f.gen != f.published_gen:
+        if not inode.unlinked and not f.unlinked:
+            if f.modified:
+                if not f.writers:
                     await self.commit(f)
-                elif change.mode is not None or change.mtime_ns is not None:
-                    await self._republish_meta(f)
+            elif (
+                change.mode is not None
+                or change.atime_ns is not None
+                or owner_changed
+                or (change.mtime_ns is not None)
+            ):
+                await self._republish_meta(f)
         return self._attr(inode, None)
 
     async def _republish_meta(self, f: CachedFile) -> None:
-        """Mode or mtime changed, not content: rewrite the manifest in its current state."""
+        """Mode, owner or times changed, not content: rewrite the manifest as it is."""
 
-        def make(_: Manifest | None) -> Manifest:
-            if f.state == DURABLE:
+        def make(current: Manifest | None) -> Manifest | None:
+            if f.state is FileState.DURABLE:
                 return Manifest(
-                    f.file_id,
-                    f.version,
-                    f.size,
-                    f.mode,
-                    f.mtime_ns,
-                    "durable",
-                    [self.node],
-                    list(f.base),
-                    f.chunking,
-                )
-            return self._pending_manifest(f)
+                    f.file_id, f.version, f.size, f.mode, f.mtime_ns, "durable", [self.node],
+                    list(f.base.chunks), f.chunking, f.atime_ns,
+                )  # fmt: skip
+            if f.state in (FileState.PENDING, FileState.LOST) and current is not None:
+                return Manifest(
+                    f.file_id, current.version, current.size, f.mode, f.mtime_ns,
+                    current.state, current.holders, current.chunks, current.chunking, f.atime_ns,
+                )  # fmt: skip
+            return None  # being published: the commit carries the new metadata
 
         await self.publish(f, make)
 
     async def statfs(self) -> os.statvfs_result:
         return await self.backing.statvfs()
 
-    async def create_node(self, parent: int, name: str, mode: int, uid: int, gid: int) -> Attr:
+    async def create_node(self, parent: int, name: str, mode: int, caller: Caller) -> Attr:
         """mknod of a regular file: create it empty and commit it."""
         if not stat.S_ISREG(mode):
-            raise FsError(errno.EPERM, "only regular files can be created")
-        fh, attr = await self.create(parent, name, mode, os.O_WRONLY, uid, gid)
+            raise FsError(errno.EPERM, "only regular files, directories and symlinks exist here")
+        fh, attr = await self.create(parent, name, mode, os.O_WRONLY, caller)
         await self.release(fh)
         return attr
 
     def files_under(self, prefix: str) -> list[CachedFile]:
+        """Linked files at or under ``prefix``, and retired versions still owed."""
         return [
             f
-            for f in self.cache.files.values()
-            if not f.unlinked
+            for f in self.cache.all_files()
+            if (not f.unlinked)
             and (not prefix or f.path == prefix or f.path.startswith(prefix + "/"))
         ]
 
@@ -621,3 +697,6 @@ class FileSystem:
             handle = self.handles.pop(fh)
             if handle.plain_fd is not None:
                 os.close(handle.plain_fd)
+
+    def describe(self) -> dict[str, Any]:
+        return {"handles": len(self.handles), "inodes": len(self.inodes.by_ino)}

@@ -1,12 +1,13 @@
-"""Background persistence: chunk, hash, deduplicate and store closed files.
+"""Background persistence: chunk, hash, deduplicate and store PENDING files.
 
-Workers take files from a trio memory channel. A file's chunks are processed
-in parallel under one limiter shared by all files (``flush.workers``); each
-chunk is read from the cache and hashed in a thread, and written to the
-backing store only when no chunk of that hash exists yet. When every chunk is
-stored, the durable manifest is published through ``publish``. A file that
-was modified while it was being flushed is not marked durable: its next close
-queues it again.
+Workers take files from a trio memory channel. The cache gives each flush a
+snapshot whose RAM slots are pinned; a pinned slot is never reused and never
+written in place (a write copies the page first), so worker threads hash and
+store a chunk straight from the arena without copying it. A chunk is written
+to the backing store only when no chunk of that hash exists yet. When every
+chunk is stored, the durable manifest is published and the cache is asked to
+mark the snapshot durable; it refuses if the file changed since the snapshot,
+and the file's next commit queues it again.
 """
 
 from __future__ import annotations
@@ -20,17 +21,20 @@ from typing import Any
 
 import trio
 
-from .blocking import BackingIO, run_cpu
+from .arena import Arena
+from .blocking import BackingIO, Call, on_loop_later
 from .cache import Cache
-from .cachedfile import DIRTY, DURABLE, FLUSHING, CachedFile
+from .cachedfile import CachedFile, ChunkMap, Snapshot
 from .chunking import plan_chunks
-from .chunkstore import chunk_hash
+from .chunkstore import Buffer, ChunkStore, pieces_hash
 from .manifest import Chunk, Manifest
+from .state import PageState, Published
 
 log = logging.getLogger("ckptfs.flusher")
 
-Publish = Callable[[CachedFile, Callable[[Manifest | None], Manifest | None]], Awaitable[bool]]
+Publish = Callable[[CachedFile, Callable[[Manifest | None], Manifest | None]], Awaitable[Published]]
 OnDurable = Callable[[CachedFile, Manifest], Awaitable[None]]
+_ZEROS = memoryview(bytes(1 << 20))
 
 
 def describe(exc: BaseException) -> str:
@@ -56,6 +60,80 @@ class Bandwidth:
         await trio.sleep_until(start)
 
 
+class SnapshotReader:
+    """Blocking access to a snapshot's bytes, for worker threads.
+
+    RAM pages come back as views of their (pinned) slots; spilled pages and
+    base chunks are read from the store and verified; holes are zeros.
+    """
+
+    def __init__(self, snap: Snapshot, arena: Arena, store: ChunkStore, what: str) -> None:
+        self.snap = snap
+        self.arena = arena
+        self.store = store
+        self.what = what
+        self.ps = arena.slot_size
+        self._chunk: tuple[str, bytes] | None = None  # the last stored chunk read
+
+    def pieces(self, off: int, n: int) -> list[Buffer]:
+        out: list[Buffer] = []
+        end = min(off + n, self.snap.size)
+        pos = off
+        while pos < end:
+            p, o = divmod(pos, self.ps)
+            stop = min((p + 1) * self.ps, end)
+            page = self.snap.pages.get(p)
+            if page is not None and page.in_ram:
+                valid = max(0, min(stop - pos, page.fill - o))
+                if valid:
+                    out.append(self.arena.slot_view(page.slot, o, valid))
+                if valid < stop - pos:
+                    out.append(_ZEROS[: stop - pos - valid])
+            else:
+                if page is not None and page.state is PageState.SPILLED and page.chunk is not None:
+                    c = page.chunk  # valid up to the page's fill
+                    sources = ChunkMap.of([c], c.offset + page.fill).pieces(pos, stop)
+                else:
+                    sources = self.snap.base.pieces(pos, stop)
+                for start, length, chunk in sources:
+                    if chunk is None:
+                        out.append(_ZEROS[:length])
+                    else:
+                        data = self._chunk_data(chunk)
+                        rel = start - chunk.offset
+                        out.append(memoryview(data)[rel : rel + length])
+            pos = stop
+        return out
+
+    def _chunk_data(self, chunk: Chunk) -> bytes:
+        if self._chunk is not None and self._chunk[0] == chunk.hash:
+            return self._chunk[1]
+        data = self.store.get(chunk.hash, chunk.length, what=self.what)
+        self._chunk = (chunk.hash, data)
+        return data
+
+    def read(self, off: int, n: int) -> bytes:
+        return b"".join(bytes(p) for p in self.pieces(off, n))
+
+
+def plan(
+    snap: Snapshot, reader: SnapshotReader, chunk_size: int
+) -> tuple[str, list[tuple[int, int]]]:
+    """Chunk boundaries for a snapshot (blocking). Holes are left out: a
+    sparse file costs chunks only for the bytes it holds."""
+    extents = snap.extents(reader.ps)
+    if snap.size == 0 or extents == [(0, snap.size)]:
+        return plan_chunks(reader.read, snap.size, chunk_size)
+    ranges = []
+    for start, end in extents:
+        pos = start
+        while pos < end:
+            stop = min(end, (pos // chunk_size + 1) * chunk_size)
+            ranges.append((pos, stop - pos))
+            pos = stop
+    return "fixed", ranges
+
+
 class Flusher:
     def __init__(
         self,
@@ -79,10 +157,10 @@ class Flusher:
         self.on_durable = on_durable
         self.chunk_limiter = trio.CapacityLimiter(workers)
         self._send, self._recv = trio.open_memory_channel[CachedFile](math.inf)
-        self._queued: set[str] = set()
-        self._again: set[str] = set()
+        self._queued: set[CachedFile] = set()
+        self._again: set[CachedFile] = set()
         self._storing: dict[str, trio.Event] = {}
-        self.active: dict[str, CachedFile] = {}
+        self.active: set[CachedFile] = set()
         # Counters for `stat`.
         self.bytes_stored = 0
         self.bytes_deduped = 0
@@ -97,12 +175,12 @@ class Flusher:
         """Queue ``f`` once. A file being flushed right now is not queued a second
         time (two workers would flush it concurrently); it is queued again when
         its current flush ends, in case it changed meanwhile."""
-        if f.unlinked:
+        if not f.owes_flush:
             return
-        if f.file_id in self.active:
-            self._again.add(f.file_id)
-        elif f.file_id not in self._queued:
-            self._queued.add(f.file_id)
+        if f in self.active:
+            self._again.add(f)
+        elif f not in self._queued:
+            self._queued.add(f)
             self._send.send_nowait(f)
 
     @property
@@ -117,102 +195,105 @@ class Flusher:
 
     async def _worker(self) -> None:
         # Nothing may end this loop: chunk tasks fail as ExceptionGroups, and
-        # a dead worker would leave files dirty forever (or end the daemon).
+        # a dead worker would leave files pending forever (or end the daemon).
         async for f in self._recv:
-            self._queued.discard(f.file_id)
+            self._queued.discard(f)
             try:
                 await self.flush_file(f)
                 self._consecutive_failures = 0
             except Exception as exc:
                 self.failures += 1
                 self._consecutive_failures += 1
-                f.state = DIRTY
                 log.error("flush of %s failed, will retry: %s", f.path, describe(exc))
                 await trio.sleep(min(60.0, 2.0 ** min(self._consecutive_failures, 6)))
                 self.enqueue(f)
 
     async def flush_file(self, f: CachedFile) -> None:
-        if f.unlinked or f.state == DURABLE or f.gen != f.published_gen:
-            return  # gone, already done, or still being written (its close queues it)
-        gen = f.gen
-        f.state = FLUSHING
-        f.flushed_bytes = 0
-        self.active[f.file_id] = f
+        snap = self.cache.flush_snapshot(f)
+        if snap is None:
+            return  # not ours to flush, already durable, or changed (its commit queues it)
+        self.active.add(f)
         try:
-            kind, ranges = await run_cpu(
-                plan_chunks,
-                lambda off, n: self.cache.read_sync(f, off, n),
-                f.size,
-                self.chunk_size,
-                limiter=self.cache.hash_limiter,
-            )
-            chunks: list[Chunk | None] = [None] * len(ranges)
-            async with trio.open_nursery() as nursery:
-                for i, (off, length) in enumerate(ranges):
-                    nursery.start_soon(self._store_chunk, f, i, off, length, chunks)
-            if f.gen != gen or f.unlinked:
-                if not f.unlinked:
-                    f.state = DIRTY
-                log.info("%s changed while it was flushed; it will be flushed again", f.path)
-                return
-            manifest = Manifest(
-                file_id=f.file_id,
-                version=f.version,
-                size=f.size,
-                mode=f.mode,
-                mtime_ns=f.mtime_ns,
-                state="durable",
-                holders=[self.node],
-                chunks=[c for c in chunks if c is not None],
-                chunking=kind,
-            )
-
-            # Checked again under the publish lock: a newer version may have
-            # been published while this one's last chunks were stored.
-            def fresh(current: Manifest | None) -> Manifest | None:
-                if f.gen != gen or f.unlinked:
-                    return None
-                if current is not None and current.version != f.version:
-                    return None  # a newer version was published (by another node)
-                manifest.mode, manifest.mtime_ns = f.mode, f.mtime_ns
-                return manifest
-
-            if not await self.publish(f, fresh):
-                log.info("%s was replaced or removed before it became durable", f.path)
-                f.state = DIRTY
-                return
-            if f.gen != gen:  # written to while the manifest was being stored
-                f.state = DIRTY
-                return
-            f.set_base(manifest.chunks, f.size)
-            f.chunking = kind
-            f.dirty_pages.clear()
-            f.state = DURABLE
-            f.durable_event.set()
-            self.files_durable += 1
-            await self.on_durable(f, manifest)
+            await self._flush(snap)
         finally:
-            self.active.pop(f.file_id, None)
-            if f.state == FLUSHING:
-                f.state = DIRTY
-            if f.file_id in self._again:
-                self._again.discard(f.file_id)
-                if f.state != DURABLE:
-                    self.enqueue(f)
+            self.active.discard(f)
+            self.cache.flush_ended(snap)
+            target = snap.file  # a fork may have taken the snapshot's content over
+            for g in {f, target}:
+                if g in self._again:
+                    self._again.discard(g)
+                    self.enqueue(g)
+
+    async def _flush(self, snap: Snapshot) -> None:
+        what = snap.file.path
+        reader = SnapshotReader(snap, self.cache.arena, self.cache.store, what)
+        kind, ranges = await self._in_thread(
+            snap, lambda: plan(snap, reader, self.chunk_size), f"plan of {what}"
+        )
+        chunks: list[Chunk | None] = [None] * len(ranges)
+        async with trio.open_nursery() as nursery:
+            for i, (off, length) in enumerate(ranges):
+                nursery.start_soon(self._store_chunk, snap, i, off, length, chunks)
+        stored = [c for c in chunks if c is not None]
+        f = snap.file
+        manifest = Manifest(
+            file_id=f.file_id,
+            version=snap.version,
+            size=snap.size,
+            mode=f.mode,
+            mtime_ns=f.mtime_ns,
+            state="durable",
+            holders=[self.node],
+            chunks=stored,
+            chunking=kind,
+            atime_ns=f.atime_ns,
+        )
+
+        # Checked again under the publish lock: the file may have changed, or a
+        # newer version may have been published while the last chunks were stored.
+        def fresh(current: Manifest | None) -> Manifest | None:
+            if not self._unchanged(snap):
+                return None
+            if current is not None and current.version != snap.version:
+                return None
+            manifest.mode, manifest.mtime_ns, manifest.atime_ns = f.mode, f.mtime_ns, f.atime_ns
+            return manifest
+
+        result = await self.publish(snap.file, fresh) if self._unchanged(snap) else None
+        if result is Published.NAME_GONE:
+            # Its name was removed or replaced in the backing store (by another
+            # node, or it was a version being rewritten that was renamed away).
+            log.info("%s no longer names this file; not making it durable", snap.file.path)
+            self.cache.unlink(snap.file)
+            return
+        if result is not Published.DONE:
+            log.info("%s changed while it was flushed; its next commit flushes it", what)
+            return
+        if self.cache.mark_durable(snap, stored, kind):
+            self.files_durable += 1
+            await self.on_durable(snap.file, manifest)
+        else:
+            log.info("%s changed while its durable manifest was written", snap.file.path)
+
+    @staticmethod
+    def _unchanged(snap: Snapshot) -> bool:
+        f = snap.file
+        return f.owes_flush and f.version == snap.version and f.content_gen == snap.content_gen
 
     async def _store_chunk(
-        self, f: CachedFile, i: int, off: int, length: int, out: list[Chunk | None]
+        self, snap: Snapshot, i: int, off: int, length: int, out: list[Chunk | None]
     ) -> None:
+        what = snap.file.path
         async with self.chunk_limiter:
+            reader = SnapshotReader(snap, self.cache.arena, self.cache.store, what)
 
-            def read_and_hash() -> tuple[bytes, str, float]:
-                data = self.cache.read_sync(f, off, length)
+            def read_and_hash() -> tuple[str, float]:
+                pieces = reader.pieces(off, length)
                 t0 = time.perf_counter()
-                digest = chunk_hash(data)
-                return data, digest, time.perf_counter() - t0
+                digest = pieces_hash(pieces)
+                return digest, time.perf_counter() - t0
 
-            # Through the backing-store runner: spilled pages are read from there.
-            data, digest, hash_time = await self.io.run(read_and_hash, what=f"read of {f.path}")
+            digest, hash_time = await self._in_thread(snap, read_and_hash, f"read of {what}")
             self.bytes_hashed += length
             self.hash_seconds += hash_time
             # One store per digest at a time: two files with the same bytes
@@ -221,12 +302,15 @@ class Flusher:
                 await busy.wait()
             done = self._storing[digest] = trio.Event()
             try:
-                what = f"flush of {f.path}"
-                if await self.io.run(self.cache.store.touch, digest, what=what):
+                if await self.io.run(self.cache.store.touch, digest, what=f"flush of {what}"):
                     self.bytes_deduped += length
                 else:
                     await self.bandwidth.acquire(length)
-                    written = await self.io.run(self.cache.store.put, digest, data, what=what)
+
+                    def store() -> int:
+                        return self.cache.store.put(digest, reader.pieces(off, length))
+
+                    written = await self._in_thread(snap, store, f"flush of {what}")
                     self.bytes_stored += written
                     self.bytes_deduped += length - written
                     self._window.append((time.monotonic(), written))
@@ -234,7 +318,21 @@ class Flusher:
                 del self._storing[digest]
                 done.set()
             out[i] = Chunk(off, length, digest)
-            f.flushed_bytes += length
+            snap.file.flushed_bytes += length
+
+    async def _in_thread(self, snap: Snapshot, fn: Callable[[], Any], what: str) -> Any:
+        """``fn`` in a backing-store thread that reads the snapshot's pinned slots.
+
+        If the loop gives up on it, the snapshot's pins stay until the thread
+        ends, whatever the flush does meanwhile.
+        """
+        self.cache.thread_started(snap)
+        call: Call[Any] = Call(on_loop_later(self.cache.thread_ended, snap))
+        try:
+            return await self.io.run(fn, what=what, call=call)
+        finally:
+            if not call.abandoned():
+                self.cache.thread_ended(snap)
 
     def throughput(self, window: float = 10.0) -> float:
         """Bytes/s written to the backing store over the last ``window`` seconds."""
@@ -246,7 +344,7 @@ class Flusher:
     def stats(self) -> dict[str, Any]:
         return {
             "queued": self.queued,
-            "active": [f.path for f in self.active.values()],
+            "active": sorted(f.path for f in self.active),
             "bytes_stored": self.bytes_stored,
             "bytes_deduped": self.bytes_deduped,
             "bytes_hashed": self.bytes_hashed,

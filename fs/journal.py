@@ -1,72 +1,142 @@
-"""The cache journal: which arena slots hold which published file, on tmpfs.
+"""The cache journal: which arena slots hold which pending version, on tmpfs.
 
-Written when a file is published (closed) and removed when it becomes
-durable or is written again, so that after a daemon crash the new daemon can
-adopt the closed-but-not-durable files from the arena and finish flushing
-them. A record is only trusted if the manifest at its path still names the
-same file id and version.
+One record per version that this node published as pending and still owes
+the backing store. It is saved *before* the pending manifest is published and
+dropped before the file's bytes change again (or lazily, once it is durable or
+superseded), so after a daemon crash a new daemon can adopt closed-but-not-
+durable files from the arena. A record is only trusted if the manifest at its
+path still names its file id and version as pending (see recovery.py).
+
+Records are keyed by (file id, version): a version being rewritten can keep
+its record while the rewrite is in progress. Every file operation runs in a
+worker thread, and the operations on one key are ordered by a lock, so a drop
+never overtakes the save it undoes.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from .cachedfile import CachedFile
+import trio
+
+from .cachedfile import Snapshot
 from .manifest import Chunk
+from .state import PageState
 
 log = logging.getLogger("ckptfs.journal")
+Key = tuple[str, str]
+# Runs a blocking function off the loop (tests pass one that runs it inline).
+ThreadRunner = Callable[..., Awaitable[Any]]
+
+
+def record_of(snap: Snapshot) -> dict[str, Any]:
+    """The journal record of a snapshot: enough to rebuild the file from the arena."""
+    f = snap.file
+    return {
+        "file_id": f.file_id,
+        "version": snap.version,
+        "path": f.path,
+        "size": snap.size,
+        "mode": f.mode,
+        "uid": f.uid,
+        "gid": f.gid,
+        "mtime_ns": f.mtime_ns,
+        "atime_ns": f.atime_ns,
+        "chunking": f.chunking,
+        "dirty": {
+            str(p): [pg.slot, pg.fill]
+            for p, pg in snap.pages.items()
+            if pg.state is PageState.DIRTY
+        },
+        "spilled": {
+            str(p): [pg.chunk.offset, pg.chunk.length, pg.chunk.hash, pg.fill]
+            for p, pg in snap.pages.items()
+            if pg.state is PageState.SPILLED and pg.chunk is not None
+        },
+        "base": [[c.offset, c.length, c.hash] for c in snap.base.chunks],
+        "base_end": snap.base.end,
+    }
+
+
+def chunks_of(items: list[list[Any]]) -> list[Chunk]:
+    return [Chunk(int(o), int(n), str(h)) for o, n, h in items]
 
 
 class Journal:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, run_sync: ThreadRunner | None = None) -> None:
         self.dir = directory
+        self._run_sync = run_sync or trio.to_thread.run_sync
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._locks: dict[Key, trio.Lock] = {}
+        self._later_send, self._later_recv = trio.open_memory_channel[Key](math.inf)
 
-    def _path(self, file_id: str) -> Path:
-        return self.dir / f"{file_id}.json"
+    async def run_sync(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await self._run_sync(fn, *args)
 
-    @staticmethod
-    def record(f: CachedFile) -> dict[str, Any]:
-        """A snapshot of ``f``'s slots, taken on the event loop (nothing moves then)."""
-        return {
-            "file_id": f.file_id,
-            "version": f.version,
-            "path": f.path,
-            "size": f.size,
-            "mode": f.mode,
-            "mtime_ns": f.mtime_ns,
-            "pages": list(f.pages),
-            "fill": list(f.fill),
-            "base": [[c.offset, c.length, c.hash] for c in f.base],
-            "base_end": f.base_end,
-            "spilled": {str(p): [c.offset, c.length, c.hash] for p, c in f.spilled.items()},
-        }
+    def _path(self, key: Key) -> Path:
+        return self.dir / f"{key[0]}.{key[1]}.json"
 
-    def write(self, record: dict[str, Any]) -> None:
-        tmp = self._path(record["file_id"]).with_suffix(".tmp")
+    def _lock(self, key: Key) -> trio.Lock:
+        return self._locks.setdefault(key, trio.Lock())
+
+    def _release_lock(self, key: Key, lock: trio.Lock) -> None:
+        if not lock.locked() and lock.statistics().tasks_waiting == 0:
+            self._locks.pop(key, None)
+
+    async def save(self, record: dict[str, Any]) -> None:
+        key = (record["file_id"], record["version"])
+        lock = self._lock(key)
+        async with lock:
+            await self._run_sync(self._write, key, record)
+        self._release_lock(key, lock)
+
+    async def drop(self, key: Key) -> None:
+        """Remove a record and wait until it is gone (before bytes it lists change)."""
+        lock = self._lock(key)
+        async with lock:
+            await self._run_sync(self._remove, key)
+        self._release_lock(key, lock)
+
+    def drop_later(self, key: Key) -> None:
+        """Remove a record soon; for records recovery would reject anyway."""
+        self._later_send.send_nowait(key)
+
+    async def run(self) -> None:
+        """Background task: carry out drop_later requests in order."""
+        async for key in self._later_recv:
+            try:
+                await self.drop(key)
+            except OSError as exc:
+                log.error("could not remove cache journal record %s: %s", self._path(key), exc)
+
+    def _write(self, key: Key, record: dict[str, Any]) -> None:
+        path = self._path(key)
+        tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record))
-        os.replace(tmp, self._path(record["file_id"]))
+        os.replace(tmp, path)
 
-    def remove(self, f: CachedFile) -> None:
-        self._path(f.file_id).unlink(missing_ok=True)
+    def _remove(self, key: Key) -> None:
+        self._path(key).unlink(missing_ok=True)
 
     def load(self) -> list[dict[str, Any]]:
+        """Every record (blocking; at startup, in a thread)."""
         records = []
         for path in sorted(self.dir.glob("*.json")):
             try:
                 records.append(json.loads(path.read_text()))
             except (OSError, ValueError) as exc:
                 log.error("cache journal %s is unreadable (%s); ignoring it", path, exc)
+                path.unlink(missing_ok=True)
+        for path in self.dir.glob("*.tmp"):
+            path.unlink(missing_ok=True)  # a save interrupted by the crash
         return records
 
-    def restore(self, record: dict[str, Any], f: CachedFile) -> None:
-        f.pages = list(record["pages"])
-        f.fill = list(record["fill"])
-        f.page_gen = [0] * len(f.pages)
-        f.dirty_pages = {p for p, s in enumerate(f.pages) if s >= 0}
-        f.set_base([Chunk(*c) for c in record["base"]], record["base_end"])
-        f.spilled = {int(p): Chunk(*c) for p, c in record["spilled"].items()}
+    def remove_now(self, key: Key) -> None:
+        """Blocking removal, for recovery (in a thread, before the loop serves)."""
+        self._remove(key)

@@ -3,6 +3,10 @@
 Format (see docs/FORMAT.md): the magic line ``CKPTFS-MANIFEST 1`` followed by
 one JSON object. Anything that does not start with the magic line is a plain
 file and is served read-through.
+
+The manifest file itself carries the file's owner (uid/gid of the manifest
+file), so every rewrite is created with the owner and mode of the file it
+replaces.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -25,11 +30,15 @@ class ManifestError(ValueError):
     pass
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class Chunk:
     offset: int
     length: int
     hash: str
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
 
 
 @dataclass
@@ -43,12 +52,19 @@ class Manifest:
     holders: list[str] = field(default_factory=list)
     chunks: list[Chunk] = field(default_factory=list)
     chunking: str = "fixed"
+    atime_ns: int | None = None  # absent in older manifests: then equal to mtime_ns
 
     def to_bytes(self) -> bytes:
         body = asdict(self)
         body["hash"] = HASH_NAME
         body["chunks"] = [[c.offset, c.length, c.hash] for c in self.chunks]
+        if self.atime_ns is None:
+            del body["atime_ns"]
         return MAGIC + json.dumps(body, separators=(",", ":")).encode() + b"\n"
+
+    @property
+    def atime(self) -> int:
+        return self.mtime_ns if self.atime_ns is None else self.atime_ns
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str = "manifest") -> Manifest:
@@ -56,9 +72,12 @@ class Manifest:
             raise ManifestError(f"{where}: missing magic line")
         try:
             body = json.loads(data[len(MAGIC) :])
+            if not isinstance(body, dict):
+                raise ManifestError(f"{where}: not a JSON object")
             if body.get("hash", HASH_NAME) != HASH_NAME:
                 raise ManifestError(f"{where}: unsupported hash {body['hash']!r}")
             chunks = [Chunk(int(o), int(n), str(h)) for o, n, h in body.get("chunks", [])]
+            atime = body.get("atime_ns")
             manifest = cls(
                 file_id=str(body["file_id"]),
                 version=str(body["version"]),
@@ -69,6 +88,7 @@ class Manifest:
                 holders=[str(h) for h in body.get("holders", [])],
                 chunks=chunks,
                 chunking=str(body.get("chunking", "fixed")),
+                atime_ns=None if atime is None else int(atime),
             )
         except ManifestError:
             raise
@@ -82,23 +102,29 @@ class Manifest:
             raise ManifestError(f"{where}: unknown state {self.state!r}")
         if self.size < 0:
             raise ManifestError(f"{where}: negative size")
-        if self.state == "durable":
-            expected = 0
-            for chunk in self.chunks:
-                if chunk.offset != expected or chunk.length <= 0:
-                    raise ManifestError(f"{where}: chunk list has a gap at offset {expected}")
-                expected += chunk.length
-            if expected != self.size:
-                raise ManifestError(f"{where}: chunks cover {expected} bytes, size is {self.size}")
+        end = 0
+        for chunk in self.chunks:
+            # Gaps between chunks are holes (zeros); overlaps and runs past
+            # the size are not something ckptfs ever writes.
+            if chunk.offset < end or chunk.length <= 0:
+                raise ManifestError(f"{where}: chunk list overlaps or is unsorted at {end}")
+            end = chunk.end
+        if end > self.size:
+            raise ManifestError(f"{where}: chunks end at {end}, past the size {self.size}")
+
+    def covered(self) -> bool:
+        """Whether the chunk list accounts for every byte (holes read as zeros)."""
+        return self.state == "durable" or self.size == 0
 
 
 def new_id() -> str:
     return secrets.token_hex(8)
 
 
-def read_manifest(path: str | os.PathLike[str]) -> Manifest | None:
+def read_manifest(path: str | os.PathLike[str], *, dir_fd: int | None = None) -> Manifest | None:
     """Return the manifest at ``path``, or None if it is a plain file (blocking)."""
-    with open(path, "rb") as f:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    with open(fd, "rb") as f:
         head = f.read(len(MAGIC))
         if head != MAGIC:
             return None
@@ -108,9 +134,13 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest | None:
     return Manifest.from_bytes(data, where=str(path))
 
 
-def tmp_name_for(path: Path) -> Path:
+def tmp_name(name: str) -> str:
     # Shortened so that a name near NAME_MAX still has a temporary name.
-    return path.with_name(f".{path.name[:128]}.ckptfs-tmp.{secrets.token_hex(4)}")
+    return f".{name[:128]}.ckptfs-tmp.{secrets.token_hex(4)}"
+
+
+def tmp_name_for(path: Path) -> Path:
+    return path.with_name(tmp_name(path.name))
 
 
 def is_tmp_name(name: str | bytes) -> bool:
@@ -118,26 +148,67 @@ def is_tmp_name(name: str | bytes) -> bool:
     return text.startswith(".") and ".ckptfs-tmp." in text
 
 
-def write_manifest(path: Path, manifest: Manifest, *, sync: bool = True) -> None:
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    """os.write until every byte is written (a short write is not an error)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def fsync_dir(fd: int) -> None:
+    os.fsync(fd)
+
+
+def open_dir(rel: str, dir_fd: int | None) -> int:
+    """An fd for directory ``rel`` (relative to ``dir_fd``; "" is ``dir_fd`` itself)."""
+    return os.open(rel or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
+
+
+def write_manifest(
+    path: str | os.PathLike[str],
+    manifest: Manifest,
+    *,
+    dir_fd: int | None = None,
+    owner: tuple[int, int] | None = None,
+    sync: bool = True,
+    abandoned: Callable[[], bool] = lambda: False,
+) -> None:
     """Atomically replace ``path`` with ``manifest`` (blocking).
 
-    Written to a temporary name, fsynced and renamed, so a reader on any node
-    sees either the old or the new manifest, never a torn one.
+    Written to a temporary name in the same directory, owned by ``owner`` with
+    the manifest's mode, fsynced, renamed, and the directory fsynced: a reader
+    on any node sees the old or the new manifest, never a torn one, and the
+    rename survives a crash of the NFS client. Paths are relative to
+    ``dir_fd`` when given, so the backing root does not count against
+    PATH_MAX. If ``abandoned()`` is true just before the rename (the caller
+    gave up waiting, a newer manifest may be on its way), nothing is replaced.
     """
-    tmp = tmp_name_for(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, manifest.mode & 0o7777 or 0o644)
+    parent, name = os.path.split(os.fspath(path))
+    dfd = open_dir(parent, dir_fd)
     try:
-        os.write(fd, manifest.to_bytes())
-        os.fchmod(fd, manifest.mode & 0o7777)
-        if sync:
-            os.fsync(fd)
-    except BaseException:
+        tmp = tmp_name(name)
+        mode = manifest.mode & 0o7777
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+        try:
+            write_all(fd, manifest.to_bytes())
+            if owner is not None:
+                os.fchown(fd, *owner)
+            os.fchmod(fd, mode)  # after fchown, which may clear setuid/setgid
+            if sync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp, dir_fd=dfd)
+            raise
         os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    try:
-        os.rename(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+        try:
+            if abandoned():
+                raise TimeoutError(f"{path}: manifest write abandoned; not replacing")
+            os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            os.unlink(tmp, dir_fd=dfd)
+            raise
+        if sync:
+            fsync_dir(dfd)
+    finally:
+        os.close(dfd)

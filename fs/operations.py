@@ -17,12 +17,48 @@ from typing import Any, TypeVar
 
 import pyfuse3
 
-from .filesystem import Attr, FileSystem, SetAttr
+from .filesystem import Attr, Caller, FileSystem, SetAttr
 
 log = logging.getLogger("ckptfs.fuse")
 T = TypeVar("T")
 ATTR_TIMEOUT = 1.0  # other nodes may change names and files: keep kernel caching short
-_QUIET = {errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR}
+# Refusals that are part of normal operation (by design, or the caller's
+# mistake): logged at INFO the first time per operation and errno, then at
+# DEBUG, so that WARNING and ERROR keep meaning "an operator must look".
+EXPECTED = {
+    errno.ENOENT,
+    errno.EEXIST,
+    errno.ENOTEMPTY,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.EPERM,
+    errno.EACCES,
+    errno.ENAMETOOLONG,
+    errno.EFBIG,
+    errno.EINVAL,
+    errno.EXDEV,
+    errno.ELOOP,
+    errno.EBADF,
+    errno.ENOTSUP,
+    errno.EROFS,
+}
+_seen: set[tuple[str, int]] = set()
+
+
+def _log_failure(op: str, args: tuple[Any, ...], exc: OSError, err: int) -> None:
+    if err in EXPECTED:
+        first = (op, err) not in _seen
+        _seen.add((op, err))
+        log.log(
+            logging.INFO if first else logging.DEBUG,
+            "%s%r refused: %s%s",
+            op,
+            _short(args),
+            exc,
+            " (logged once per kind; more at DEBUG)" if first else "",
+        )
+    elif not getattr(exc, "logged", False):
+        log.warning("%s%r failed: %s", op, _short(args), exc)
 
 
 def handler(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -30,12 +66,12 @@ def handler(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     async def wrapper(self: Operations, *args: Any) -> T:
         try:
             return await fn(self, *args)
-        except pyfuse3.FUSEError:
+        except pyfuse3.FUSEError as exc:
+            _log_failure(fn.__name__, args, OSError(exc.errno, os.strerror(exc.errno)), exc.errno)
             raise
         except OSError as exc:
             err = exc.errno or errno.EIO
-            if err not in _QUIET:
-                log.warning("%s%r failed: %s", fn.__name__, _short(args), exc)
+            _log_failure(fn.__name__, args, exc, err)
             raise pyfuse3.FUSEError(err) from None
         except Exception:
             log.exception("%s%r failed unexpectedly", fn.__name__, _short(args))
@@ -45,7 +81,15 @@ def handler(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
 
 
 def _short(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(f"<{len(a)} bytes>" if isinstance(a, bytes) and len(a) > 64 else a for a in args)
+    return tuple(
+        f"<{len(a)} bytes>" if isinstance(a, bytes) and len(a) > 64 else a
+        for a in args
+        if not hasattr(a, "uid")  # the request context
+    )
+
+
+def _caller(ctx: Any) -> Caller:
+    return Caller(ctx.uid, ctx.gid)
 
 
 def _name(raw: bytes) -> str:
@@ -102,7 +146,7 @@ class Operations(pyfuse3.Operations):
             atime_ns=attr.st_atime_ns if fields.update_atime else None,
             mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
         )
-        return entry(await self.fs.setattr(inode, change, fh))
+        return entry(await self.fs.setattr(inode, change, _caller(ctx)))
 
     def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for ino, count in inode_list:
@@ -136,7 +180,7 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def mkdir(self, parent: int, name: bytes, mode: int, ctx: Any) -> Any:
-        return entry(await self.fs.mkdir(parent, _name(name), mode, ctx.uid, ctx.gid))
+        return entry(await self.fs.mkdir(parent, _name(name), mode, _caller(ctx)))
 
     @handler
     async def rmdir(self, parent: int, name: bytes, ctx: Any) -> None:
@@ -154,26 +198,26 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def symlink(self, parent: int, name: bytes, target: bytes, ctx: Any) -> Any:
-        return entry(await self.fs.symlink(parent, _name(name), target, ctx.uid, ctx.gid))
+        return entry(await self.fs.symlink(parent, _name(name), target, _caller(ctx)))
 
     @handler
     async def link(self, inode: int, new_parent: int, new_name: bytes, ctx: Any) -> Any:
-        raise pyfuse3.FUSEError(errno.EPERM)  # a manifest has one name; see README
+        raise OSError(errno.EPERM, "hard links are not supported (a manifest has one name)")
 
     @handler
     async def mknod(self, parent: int, name: bytes, mode: int, rdev: int, ctx: Any) -> Any:
-        return entry(await self.fs.create_node(parent, _name(name), mode, ctx.uid, ctx.gid))
+        return entry(await self.fs.create_node(parent, _name(name), mode, _caller(ctx)))
 
     @handler
     async def create(
         self, parent: int, name: bytes, mode: int, flags: int, ctx: Any
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
-        fh, attr = await self.fs.create(parent, _name(name), mode, flags, ctx.uid, ctx.gid)
+        fh, attr = await self.fs.create(parent, _name(name), mode, flags, _caller(ctx))
         return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=self._direct(flags)), entry(attr)
 
     @handler
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
-        fh, keep = await self.fs.open(inode, flags)
+        fh, keep = await self.fs.open(inode, flags, _caller(ctx))
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep, direct_io=self._direct(flags))
 
     @handler

@@ -1,22 +1,26 @@
-"""The cache without FUSE: eviction and pruning of idle metadata."""
+"""The cache without FUSE: eviction, pruning of idle metadata, sparse files."""
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
+import pytest
 import trio
 from ckptfs.fs import cache as cache_mod
 from ckptfs.fs.arena import Arena
 from ckptfs.fs.blocking import BackingIO
-from ckptfs.fs.cache import Cache
-from ckptfs.fs.cachedfile import DURABLE
+from ckptfs.fs.cache import MAX_FILE_SIZE, Cache
 from ckptfs.fs.chunkstore import ChunkStore
+from ckptfs.fs.journal import Journal
 from ckptfs.fs.manifest import Manifest
+from ckptfs.fs.state import FileState
 
 
-def make_cache(tmp_path: Path) -> Cache:
-    arena = Arena(tmp_path / "arena", 8 << 20)
-    return Cache(arena, ChunkStore(tmp_path / "backing"), BackingIO(10), hash_threads=1)
+def make_cache(tmp_path: Path, capacity: int = 8 << 20) -> Cache:
+    arena = Arena(tmp_path / "arena", capacity)
+    store = ChunkStore(tmp_path / "backing")
+    return Cache(arena, store, BackingIO(10), Journal(tmp_path / "journal"), node="n1")
 
 
 def test_prune_forgets_only_idle_unreferenced_files_beyond_the_cap(tmp_path, monkeypatch):
@@ -25,7 +29,7 @@ def test_prune_forgets_only_idle_unreferenced_files_beyond_the_cap(tmp_path, mon
     async def main() -> None:
         cache = make_cache(tmp_path)
         files = [
-            cache.from_manifest(Manifest(f"id{i}", "v", 0, 0o644, 0, "durable"), f"f{i}")
+            cache.load(Manifest(f"id{i}", "v", 0, 0o644, 0, "durable"), f"f{i}", 0, 0)
             for i in range(8)
         ]
         for i, f in enumerate(files):
@@ -33,10 +37,9 @@ def test_prune_forgets_only_idle_unreferenced_files_beyond_the_cap(tmp_path, mon
         files[0].handles = 1  # open: kept
         pinned = files[1]
         cache.referenced = lambda f: f is pinned  # behind a live inode: kept
-        files[2].state = "dirty"  # not durable: kept
+        files[2].state = FileState.MODIFIED  # not durable: kept
         assert cache.prune() == 2  # 5 idle, cap 3: the two least recently used go
         assert sorted(cache.files) == ["id0", "id1", "id2", "id5", "id6", "id7"]
-        assert all(f.state == DURABLE for f in files if f is not files[2])
 
     trio.run(main)
 
@@ -44,7 +47,7 @@ def test_prune_forgets_only_idle_unreferenced_files_beyond_the_cap(tmp_path, mon
 def test_write_read_truncate_roundtrip_in_ram(tmp_path):
     async def main() -> None:
         cache = make_cache(tmp_path)
-        f = cache.new_file("x", "v", "x.bin", 0o644)
+        f = cache.new_file("x", "v", "x.bin", 0o644, 0, 0)
         data = bytes(range(256)) * 9000  # spans three 1 MiB pages
         await cache.write(f, 10, data)
         assert await cache.read(f, 0, 10) == bytes(10)
@@ -54,5 +57,22 @@ def test_write_read_truncate_roundtrip_in_ram(tmp_path):
         await cache.truncate(f, 3 << 20)
         assert await cache.read(f, 0, 30) == bytes(10) + data[:10] + bytes(10)
         assert cache.arena.used_slots == 1  # only the first page holds data
+
+    trio.run(main)
+
+
+def test_huge_sparse_files_cost_no_memory_and_beyond_the_maximum_is_efbig(tmp_path):
+    async def main() -> None:
+        cache = make_cache(tmp_path)
+        f = cache.new_file("x", "v", "x.bin", 0o644, 0, 0)
+        await cache.truncate(f, MAX_FILE_SIZE)  # 16 TiB of holes
+        await cache.write(f, MAX_FILE_SIZE - 5, b"tail!")
+        assert len(f.pages) == 1 and cache.arena.used_slots == 1
+        assert await cache.read(f, MAX_FILE_SIZE - 10, 10) == bytes(5) + b"tail!"
+        assert await cache.read(f, 1 << 40, 4) == bytes(4)
+        for call in (cache.truncate(f, MAX_FILE_SIZE + 1), cache.write(f, MAX_FILE_SIZE, b"x")):
+            with pytest.raises(OSError) as exc:
+                await call
+            assert exc.value.errno == errno.EFBIG
 
     trio.run(main)

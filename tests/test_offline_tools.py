@@ -291,7 +291,7 @@ def test_check_names_files_with_missing_and_corrupted_chunks(backing: Path) -> N
 
     assert not result.ok
     assert result.manifests == 4 and result.plain == 1
-    assert result.pending == [backing / "run/pending.pt"]
+    assert [p.path for p in result.pending] == [backing / "run/pending.pt"]
     found = {(p.path.name, p.chunk) for p in result.problems}
     assert found == {("a.pt", missing), ("b.pt", missing), ("c.pt", damaged)}
     assert result.damaged_files == [

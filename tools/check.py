@@ -2,12 +2,16 @@
 
 Every manifest must parse; every chunk of a durable manifest must exist and
 match its hash. A chunk shared by many files (deduplication) is read once.
-Pending manifests are not failures: their bytes are still in some node's RAM.
+A pending manifest is reported with its holders and age: its bytes are only
+in the RAM of its holders, so it is healthy only while a daemon of one of
+them serves this backing directory. Which daemons run is the caller's
+question (the CLI asks the control sockets); this module reads only files.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,13 +20,24 @@ from ..fs.manifest import ManifestError, read_manifest
 from ..fs.walk import Problem, chunk_problem, resolve_under, walk_files
 
 
+@dataclass(frozen=True)
+class PendingFile:
+    """A manifest that is not durable yet."""
+
+    path: Path
+    size: int
+    holders: tuple[str, ...]
+    age: float  # seconds since the manifest was last written
+    covered: bool  # its chunk list accounts for every byte (an empty file)
+
+
 @dataclass
 class CheckResult:
     manifests: int = 0  # manifests found (durable or pending)
     plain: int = 0  # plain files, served read-through and not checked
     chunks: int = 0  # distinct chunks checked
     bytes: int = 0  # bytes of the distinct chunks checked
-    pending: list[Path] = field(default_factory=list)  # info: not durable yet
+    pending: list[PendingFile] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
 
     @property
@@ -58,7 +73,13 @@ def check(backing: Path, path: Path | None = None, *, verify_data: bool = True) 
             continue
         result.manifests += 1
         if manifest.state != "durable":
-            result.pending.append(file)
+            try:
+                age = max(0.0, time.time() - os.stat(file).st_mtime)
+            except OSError:
+                age = 0.0
+            result.pending.append(
+                PendingFile(file, manifest.size, tuple(manifest.holders), age, manifest.covered())
+            )
             continue
         for chunk in manifest.chunks:
             key = (chunk.hash, chunk.length)

@@ -124,10 +124,11 @@ def _last_error(log_file: Path, offset: int) -> str:
 
 def cmd_umount(args: argparse.Namespace) -> int:
     mountpoint = Path(os.path.abspath(args.mountpoint))
-    try:
-        mountpoint = mountpoint.resolve()
-    except OSError:
-        pass
+    if not is_mounted(mountpoint):  # resolving it would stat the (maybe wedged) mount
+        try:
+            mountpoint = mountpoint.resolve()
+        except OSError:
+            pass
     if not is_mounted(mountpoint):
         raise CliError(f"{mountpoint} is not mounted")
     pid = daemon_pid(mountpoint)

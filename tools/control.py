@@ -28,54 +28,71 @@ def ckptfs_mounts() -> list[Path]:
 
 
 def find_mount(path: Path) -> tuple[Path, str]:
-    """The ckptfs mountpoint containing ``path``, and ``path`` relative to it."""
-    if not path.exists() and not os.path.lexists(path):
-        raise ControlError(f"{path} does not exist")
-    # realpath of a path inside a dead mount fails with ENOTCONN: stay lexical then.
-    target = Path(os.path.abspath(path))
-    try:
-        target = Path(os.path.realpath(path))
-    except OSError:
-        pass
+    """The ckptfs mountpoint containing ``path``, and ``path`` relative to it.
+
+    A path that lies lexically inside a mount is resolved without touching
+    the mount: a stat there would wait for the daemon, and a client blocked
+    on a wedged FUSE mount cannot even be killed, which is exactly when an
+    operator runs ``ckptfs stat``. Other paths are resolved (symlinks may lead
+    into a mount).
+    """
+    mounts = ckptfs_mounts()
+    lexical = Path(os.path.abspath(path))
+    found = _innermost(lexical, mounts)
+    if found is None:
+        if not os.path.lexists(path):
+            raise ControlError(f"{path} does not exist")
+        try:
+            found = _innermost(Path(os.path.realpath(path)), mounts)
+        except OSError:
+            found = None
+    if found is None:
+        raise ControlError(f"no ckptfs daemon serves {path} (not inside a ckptfs mount)")
+    return found
+
+
+def _innermost(target: Path, mounts: list[Path]) -> tuple[Path, str] | None:
     best = None
-    for mnt in ckptfs_mounts():
+    for mnt in mounts:
         if (target == mnt or mnt in target.parents) and (
             best is None or len(mnt.parts) > len(best.parts)
         ):
             best = mnt
     if best is None:
-        raise ControlError(f"no ckptfs daemon serves {path} (not inside a ckptfs mount)")
-    rel = "" if target == best else str(target.relative_to(best))
-    return best, rel
+        return None
+    return best, "" if target == best else str(target.relative_to(best))
 
 
 def request(
     mountpoint: Path, payload: dict[str, Any], timeout: float | None = 30
 ) -> dict[str, Any]:
     sock_path, _, _ = run_files(run_dir(), mountpoint)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout)
-        try:
-            sock.connect(str(sock_path))
-        except (FileNotFoundError, ConnectionRefusedError):
-            raise ControlError(
-                f"no ckptfs daemon answers for {mountpoint} (no control socket at {sock_path})"
-            ) from None
-        try:
-            sock.sendall(json.dumps(payload).encode() + b"\n")
-            data = b""
-            while not data.endswith(b"\n"):
-                piece = sock.recv(1 << 16)
-                if not piece:
-                    break
-                data += piece
-        except TimeoutError:
-            raise ControlError(
-                f"the ckptfs daemon for {mountpoint} did not answer in time"
-            ) from None
+    try:
+        data = exchange(sock_path, payload, timeout)
+    except (FileNotFoundError, ConnectionRefusedError):
+        raise ControlError(
+            f"no ckptfs daemon answers for {mountpoint} (no control socket at {sock_path})"
+        ) from None
+    except TimeoutError:
+        raise ControlError(f"the ckptfs daemon for {mountpoint} did not answer in time") from None
     if not data:
         raise ControlError(f"the ckptfs daemon for {mountpoint} closed the connection")
     return json.loads(data)
+
+
+def exchange(sock_path: Path, payload: dict[str, Any], timeout: float | None) -> bytes:
+    """Send one request line to a control socket; return the reply line (raw)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(str(sock_path))
+        sock.sendall(json.dumps(payload).encode() + b"\n")
+        data = b""
+        while not data.endswith(b"\n"):
+            piece = sock.recv(1 << 16)
+            if not piece:
+                break
+            data += piece
+    return data
 
 
 def daemon_pid(mountpoint: Path) -> int | None:
@@ -84,3 +101,22 @@ def daemon_pid(mountpoint: Path) -> int | None:
         return int(pid_path.read_text().strip())
     except (OSError, ValueError):
         return None
+
+
+def live_daemons(timeout: float = 2.0) -> list[dict[str, Any]]:
+    """Every daemon answering on a control socket in the run dir (its ping reply:
+    mountpoint, backing, node, pid)."""
+    found = []
+    directory = run_dir()
+    try:
+        sockets = sorted(directory.glob("*.sock"))
+    except OSError:
+        return []
+    for sock_path in sockets:
+        try:
+            reply = json.loads(exchange(sock_path, {"op": "ping"}, timeout))
+        except (OSError, ValueError):
+            continue  # a stale socket, or a daemon that does not answer
+        if isinstance(reply, dict) and reply.get("ok") and reply.get("backing"):
+            found.append(reply)
+    return found

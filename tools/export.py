@@ -138,12 +138,18 @@ def _export_file(src: Path, dst: Path, store: ChunkStore | None) -> int:
     if store is None:
         raise _Failed(Problem(src, "is a manifest but no .ckptfs chunk store was found above it"))
     return _write_atomically(
-        dst, lambda out: _reassemble(manifest, store, src, out), manifest.mode, manifest.mtime_ns
+        dst,
+        lambda out: _reassemble(manifest, store, src, out),
+        manifest.mode,
+        manifest.mtime_ns,
+        manifest.atime,
     )
 
 
 def _reassemble(manifest: Manifest, store: ChunkStore, src: Path, out: BinaryIO) -> None:
+    """Chunks in order; gaps between them are holes, left sparse in the copy."""
     for chunk in manifest.chunks:
+        out.seek(chunk.offset)
         try:
             data = store.get(chunk.hash, chunk.length)
         except ChunkCorrupt as exc:
@@ -154,10 +160,16 @@ def _reassemble(manifest: Manifest, store: ChunkStore, src: Path, out: BinaryIO)
                 Problem(src, f"cannot read {where}: {exc.strerror or exc}", chunk=chunk.hash)
             ) from None
         out.write(data)
+    out.truncate(manifest.size)
+    out.seek(manifest.size)
 
 
 def _write_atomically(
-    dst: Path, fill: Callable[[BinaryIO], object], mode: int, mtime_ns: int
+    dst: Path,
+    fill: Callable[[BinaryIO], object],
+    mode: int,
+    mtime_ns: int,
+    atime_ns: int | None = None,
 ) -> int:
     """Write ``dst`` through a temporary name; return its size."""
     tmp = tmp_name_for(dst)  # hidden by ckptfs and the offline tools if left behind
@@ -168,7 +180,7 @@ def _write_atomically(
             size = out.tell()
             os.fchmod(out.fileno(), mode & 0o7777)
             os.fsync(out.fileno())
-        os.utime(tmp, ns=(mtime_ns, mtime_ns))
+        os.utime(tmp, ns=(mtime_ns if atime_ns is None else atime_ns, mtime_ns))
         os.rename(tmp, dst)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..fs.walk import find_backing_root
 from .check import check
-from .control import ControlError, find_mount, request
+from .control import ControlError, find_mount, live_daemons, request
 from .export import export
 from .gc import collect_garbage
 
@@ -80,14 +80,39 @@ def cmd_check(args: argparse.Namespace) -> int:
     result = check(root, path, verify_data=not args.quick)
     for problem in result.problems:
         print(f"ckptfs: error: {problem}")
-    for pending in result.pending:
-        print(f"pending (not durable yet): {pending}")
-    status = "all well" if result.ok else f"{len(result.damaged_files)} damaged file(s)"
+    # Daemons of this node that serve this backing directory: they hold the
+    # bytes of pending manifests that name them.
+    serving = {
+        str(d.get("node")): str(d.get("mountpoint"))
+        for d in live_daemons()
+        if os.path.realpath(str(d["backing"])) == os.path.realpath(root)
+    }
+    unrecoverable = []
+    for p in result.pending:
+        holders = ", ".join(p.holders) or "none"
+        where = next((f"{serving[h]} (node {h})" for h in p.holders if h in serving), None)
+        line = f"{p.path}: pending, {p.size} bytes, holders {holders}, age {p.age:.0f}s"
+        if where is not None:
+            print(f"{line}: held by the running daemon of {where}")
+        elif p.covered:
+            print(f"{line}: empty, nothing to lose")
+        else:
+            unrecoverable.append(p)
+            print(
+                f"ckptfs: error: {line}: not durable and no running daemon of its holders "
+                "serves this backing directory; its bytes are lost unless a holder comes back"
+            )
+    trouble = []
+    if not result.ok:
+        trouble.append(f"{len(result.damaged_files)} damaged file(s)")
+    if unrecoverable:
+        trouble.append(f"{len(unrecoverable)} pending file(s) that no running holder has")
+    status = "; ".join(trouble) or "all well"
     print(
         f"checked {result.manifests} manifest(s), {result.chunks} chunk(s), "
-        f"{result.plain} plain file(s): {status}"
+        f"{result.plain} plain file(s), {len(result.pending)} pending: {status}"
     )
-    return 0 if result.ok else 1
+    return 0 if result.ok and not unrecoverable else 1
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

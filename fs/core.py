@@ -1,0 +1,225 @@
+"""A mount's machinery without FUSE: cache, journal, flusher, filesystem logic.
+
+The daemon (daemon.py) puts a FUSE session and the control socket in front of
+a Core; tests drive a Core directly, with the backing-store runner and the
+journal's thread runner replaced so that every await can be stepped.
+"""
+
+from __future__ import annotations
+
+import csv
+import fnmatch
+import logging
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from .arena import SLOT_SIZE, Arena
+from .backing import Backing
+from .blocking import BackingIO
+from .cache import Cache
+from .cachedfile import CachedFile
+from .chunkstore import CKPTFS_DIR, ChunkStore
+from .config import Config
+from .filesystem import FileSystem
+from .flusher import Flusher
+from .journal import Journal, ThreadRunner
+from .manifest import Manifest
+from .recovery import recover
+from .retention import apply_retention
+from .state import FileRole, FileState
+
+log = logging.getLogger("ckptfs.core")
+HISTORY_FIELDS = ["time", "path", "size", "close_s", "mirrored_s", "durable_s", "throughput_MBps"]
+
+
+class Core:
+    def __init__(
+        self,
+        config: Config,
+        cache_root: Path,
+        *,
+        io: BackingIO | None = None,
+        journal_runner: ThreadRunner | None = None,
+        slot_size: int = SLOT_SIZE,
+    ) -> None:
+        assert config.backing is not None
+        self.config = config
+        self.backing_root = config.backing
+        self.cache_root = cache_root
+        self.history_path = config.history_file or (
+            self.backing_root / CKPTFS_DIR / "history" / f"{config.node}.csv"
+        )
+        self.history: deque[dict[str, Any]] = deque(maxlen=20)
+        self.io = io or BackingIO(
+            config.backing_timeout, max_threads=max(8, 2 * config.flush_workers)
+        )
+        self.cache_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.arena = Arena(self.cache_root / "arena", config.cache_size, slot_size)
+        self.journal = Journal(self.cache_root / "journal", journal_runner)
+        self.cache = Cache(
+            self.arena, ChunkStore(self.backing_root), self.io, self.journal, node=config.node
+        )
+        self.flusher = Flusher(
+            self.cache,
+            self.io,
+            node=config.node,
+            workers=config.flush_workers,
+            bandwidth=config.flush_bandwidth,
+            chunk_size=config.chunk_size,
+            publish=lambda f, m: self.fs.publish(f, m),
+            on_durable=self._on_durable,
+        )
+        self.cache.on_pending = self.flusher.enqueue
+        self.backing = Backing(self.backing_root, self.io)
+        self.fs = FileSystem(config, self.backing, self.cache, self.flusher)
+        self.prefaulted = 0
+        self.recovered = 0
+
+    async def start(self, nursery: trio.Nursery, *, prefault: bool = True) -> None:
+        """Adopt what a crashed daemon left, then start the background tasks."""
+        self.recovered = await recover(self.cache, self.journal, self.backing, self.arena)
+        await nursery.start(self.flusher.run)
+        nursery.start_soon(self.cache.run_spiller)
+        nursery.start_soon(self.journal.run)
+        nursery.start_soon(self.fs.retry_commits)
+        if prefault and self.config.cache_prefault:
+            nursery.start_soon(self._prefault)
+
+    def close(self) -> None:
+        self.fs.close_all()
+        self.arena.close()
+        self.backing.close()
+
+    def all_durable(self) -> bool:
+        # Lost files are not ours to flush: their holders went away.
+        return not any(f.modified or f.owes_flush for f in self.cache.all_files() if not f.unlinked)
+
+    async def drain(self, prefix: str, timeout: float | None) -> dict[str, Any]:
+        """Commit what changed under ``prefix`` and wait until all of it is durable."""
+        pending: list[CachedFile] = []
+        failed: list[str] = []
+        with trio.move_on_after(timeout if timeout is not None else float("inf")):
+            for f in self.fs.files_under(prefix):
+                if f.role is not FileRole.LOCAL:
+                    continue
+                if f.modified:
+                    try:
+                        await self.fs.commit(f)
+                    except OSError as exc:
+                        failed.append(f"{f.path} ({exc.strerror or exc})")
+                        continue
+                if f.owes_flush:
+                    self.flusher.enqueue(f)
+                    pending.append(f)
+            for f in pending:
+                while f.owes_flush:
+                    await f.durable_event.wait()
+        failed += [f.path for f in pending if f.owes_flush]
+        return {
+            "ok": not failed,
+            "files": len(pending),
+            "not_durable": failed,
+            **({"error": f"{len(failed)} file(s) not durable yet"} if failed else {}),
+        }
+
+    async def flush(self, prefix: str) -> int:
+        """Queue persistence of what changed under ``prefix``; returns files queued."""
+        count = 0
+        for f in self.fs.files_under(prefix):
+            if f.state is FileState.MODIFIED and not f.writers:
+                await self.fs.commit(f)
+            if f.owes_flush:
+                self.flusher.enqueue(f)
+                count += 1
+        return count
+
+    def evict(self, prefix: str) -> tuple[int, list[str]]:
+        """Drop durable cached bytes under ``prefix``: (bytes freed, paths kept)."""
+        freed, kept = 0, []
+        for f in self.fs.files_under(prefix):
+            if f.state is FileState.DURABLE and not f.writers:
+                freed += self.cache.evict(f)
+            elif f.ram_count:
+                kept.append(f.path)
+        return freed + self.cache.evict_frames(), kept
+
+    async def _prefault(self) -> None:
+        """Touch the whole arena once, in the background (see arena.py)."""
+        start = time.monotonic()
+        for _ in range(-(-self.arena.nslots // 16)):
+            batch = self.arena.take_prefault_batch(16)
+            if not batch:
+                break
+            try:
+                self.prefaulted += await trio.to_thread.run_sync(self.arena.prefault, batch)
+            except OSError as exc:
+                log.error("pre-faulting the cache in %s stopped: %s", self.cache_root, exc)
+                return
+            finally:
+                self.arena.return_prefault_batch(batch)
+        log.info(
+            "pre-faulted %d MiB of cache in %.1fs", self.prefaulted >> 20, time.monotonic() - start
+        )
+
+    async def _on_durable(self, f: CachedFile, manifest: Manifest) -> None:
+        now = time.time()
+        closed = f.closed_at or now
+        record = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)),
+            "path": f.path,
+            "size": f.size,
+            "close_s": round(closed - f.opened_at, 3),
+            "mirrored_s": "",
+            "durable_s": round(now - closed, 3),
+            "throughput_MBps": round(f.size / max(now - f.opened_at, 1e-6) / 1e6, 1),
+        }
+        self.history.append(record)
+        log.info("durable: %s (%d bytes, %.2fs after close)", f.path, f.size, now - closed)
+        try:
+            await self.io.run(self._append_history, record, what="history")
+        except OSError as exc:
+            log.warning("could not append to history %s: %s", self.history_path, exc)
+        await self._retention(f.path)
+
+    async def _retention(self, path: str) -> None:
+        """After a file in a checkpoint directory is durable, prune older ones."""
+        keep = self.config.retention_keep_last
+        parts = path.split("/")
+        hits = [
+            i
+            for i, part in enumerate(parts[:-1])
+            if fnmatch.fnmatchcase(part, self.config.retention_pattern)
+        ]
+        if not keep or not hits:
+            return
+        checkpoint_dir = "/".join(parts[: hits[-1] + 1])
+        if any(f.state is not FileState.DURABLE for f in self.fs.files_under(checkpoint_dir)):
+            return  # apply_retention waits for the whole directory: walk once, at its end
+        root = self.backing_root.joinpath(*parts[: hits[-1]])
+        audit = self.config.retention_audit_log or (
+            self.backing_root / CKPTFS_DIR / "retention.log"
+        )
+        try:
+            await self.io.run(
+                apply_retention,
+                root,
+                self.config.retention_pattern,
+                keep,
+                audit,
+                what=f"retention under {root}",
+            )
+        except OSError as exc:
+            log.error("retention under %s failed: %s", root, exc)
+
+    def _append_history(self, record: dict[str, Any]) -> None:
+        self.history_path.parent.mkdir(parents=True, exist_ok=True)
+        new = not self.history_path.exists()
+        with open(self.history_path, "a", newline="") as out:
+            writer = csv.DictWriter(out, fieldnames=HISTORY_FIELDS)
+            if new:
+                writer.writeheader()
+            writer.writerow(record)

@@ -1,0 +1,61 @@
+"""Adopting the pending files a crashed daemon left in the arena.
+
+The journal (journal.py) lists, for each version this node published but had
+not made durable, which arena slots hold its bytes. A record is adopted only
+if the manifest at its path still names its file id and version as pending:
+then nothing changed those slots (a change drops the record first), and the
+file is queued for flushing as if it had just been closed. Every other record
+is stale (the version became durable, was replaced or removed) and is deleted.
+Manifests are read through the backing-store runner, so a hung NFS server
+delays the mount by the backing timeout, not forever.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .arena import Arena
+from .backing import Backing
+from .cache import Cache
+from .journal import Journal
+
+log = logging.getLogger("ckptfs.recovery")
+
+
+def _slots(record: dict[str, Any]) -> set[int]:
+    return {int(slot) for slot, _ in record["dirty"].values()}
+
+
+async def recover(cache: Cache, journal: Journal, backing: Backing, arena: Arena) -> int:
+    """Adopt what can be adopted; returns the number of files recovered."""
+    records = await journal.run_sync(journal.load)
+    claimed: set[int] = set()
+    adopted = 0
+    for record in records:
+        key = (record.get("file_id", "?"), record.get("version", "?"))
+        path = record.get("path", "?")
+        try:
+            manifest = await backing.manifest(path)
+        except FileNotFoundError:
+            manifest = None
+        except (OSError, ValueError) as exc:
+            log.error("cannot read the manifest of %s to recover it: %s", path, exc)
+            manifest = None
+        slots = _slots(record)
+        if (
+            manifest is None
+            or (manifest.file_id, manifest.version) != key
+            or manifest.state != "pending"
+            or slots & claimed
+            or max(slots, default=-1) >= arena.nslots
+        ):
+            await journal.run_sync(journal.remove_now, key)
+            continue
+        claimed |= slots
+        f = cache.adopt(record)
+        cache.on_pending(f)
+        adopted += 1
+        log.info("recovered %s (%d bytes) from the cache; flushing it", path, f.size)
+    arena.claim(claimed)
+    return adopted

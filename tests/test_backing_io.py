@@ -1,0 +1,83 @@
+"""Backing-store calls: no descriptor leaks when the store hangs or is down,
+and manifests that are never torn."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from pathlib import Path
+
+import pytest
+import trio
+from ckptfs.fs.backing import Backing
+from ckptfs.fs.blocking import BackingIO
+from ckptfs.fs.manifest import Chunk, Manifest, read_manifest, write_manifest
+
+
+def open_fds() -> set[int]:
+    return {int(n) for n in os.listdir("/proc/self/fd")}
+
+
+def test_an_open_abandoned_at_its_timeout_closes_its_fd_when_it_completes(tmp_path: Path):
+    os.mkfifo(tmp_path / "fifo")  # opening it for reading blocks, like a hung NFS server
+
+    async def main() -> None:
+        backing = Backing(tmp_path, BackingIO(timeout=0.5))
+        before = open_fds()
+        with pytest.raises(OSError):
+            await backing.open_plain("fifo")
+        # The thread's open completes once a writer shows up: its fd must not leak.
+        writer = os.open(tmp_path / "fifo", os.O_WRONLY | os.O_NONBLOCK)
+        try:
+            deadline = time.monotonic() + 5
+            while open_fds() - before - {writer} and time.monotonic() < deadline:
+                await trio.sleep(0.02)
+            assert open_fds() - before - {writer} == set()
+        finally:
+            os.close(writer)
+
+    trio.run(main)
+
+
+def test_descriptors_are_closed_while_the_store_is_marked_down(tmp_path: Path):
+    (tmp_path / "f").write_bytes(b"x")
+
+    async def main() -> None:
+        io = BackingIO(timeout=5)
+        backing = Backing(tmp_path, io)
+        fd = await backing.open_plain("f")
+        io.health = "down"  # as after a timeout: new calls fail fast for a while
+        io._last_ok = time.monotonic()
+        await backing.close_fd(fd)
+        with pytest.raises(OSError):
+            os.fstat(fd)  # closed (nothing else in this test opens files meanwhile)
+
+    trio.run(main)
+
+
+def big_manifest() -> Manifest:
+    chunks = [Chunk(i * 4096, 4096, f"{i:032x}") for i in range(5000)]
+    return Manifest("a" * 16, "b" * 16, 5000 * 4096, 0o640, 123, "durable", ["n1"], chunks)
+
+
+def test_a_manifest_write_survives_short_writes_and_syncs_its_directory(tmp_path, monkeypatch):
+    real_write, real_fsync = os.write, os.fsync
+    synced_dirs = []
+
+    def short_write(fd: int, data: bytes) -> int:
+        return real_write(fd, bytes(data)[:1000])  # the kernel may write less than asked
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            synced_dirs.append(fd)
+
+    monkeypatch.setattr(os, "write", short_write)
+    monkeypatch.setattr(os, "fsync", fsync)
+    manifest = big_manifest()
+    write_manifest(tmp_path / "x.pt", manifest)
+    monkeypatch.undo()
+    assert read_manifest(tmp_path / "x.pt") == manifest
+    assert synced_dirs, "the directory was not fsynced after the rename"
+    assert stat.S_IMODE(os.stat(tmp_path / "x.pt").st_mode) == 0o640

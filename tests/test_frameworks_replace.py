@@ -1,0 +1,162 @@
+"""``torch.save`` to a temporary name, then ``os.replace`` onto the final name,
+over and over, while other processes ``torch.load`` the final name in a loop.
+
+Every version says which it is twice: an int in the pickle and its tensor
+bytes (a marker and a seeded random matrix); all versions have the same byte
+layout.
+
+* A plain ``torch.load`` reads through one open file: it must return exactly
+  one version, every time, on any POSIX filesystem (rename is atomic and an
+  open file keeps its bytes).
+* ``torch.load(mmap=True)`` reads the pickle through its open file, then opens
+  the path a second time to map the tensor bytes. A replace in between gives a
+  load whose tensors are one whole version and whose pickle is an older one
+  ("torn"); that happens on a plain directory too. What must hold: the tensor
+  bytes are always one whole version, and no load fails. The torn loads are
+  counted on a plain directory and through the mount, and reported.
+
+The same run is made on a plain directory (the baseline) and through the
+mount; then the final file goes through the mount lifecycle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from frameworks_util import (
+    REPLACE_FIRST,
+    WORKER,
+    assert_same,
+    files_under,
+    kill_group,
+    replace_version,
+    subprocess_env,
+    umount_checked,
+)
+
+READERS = {"plain": 2, "mmap": 2}
+WRITE_SECONDS = 4.0
+MIN_VERSIONS = 30
+PERIOD = 0.06  # one replace every 60 ms on both, so the torn rates compare
+
+
+def race(directory: Path, work: Path) -> tuple[int, float, dict[str, dict]]:
+    """Replace ``directory/model.pt`` for WRITE_SECONDS while the readers load it.
+
+    Returns the last version written, the seconds writing took and the
+    readers' counts summed per mode.
+    """
+    work.mkdir()
+    final, staging = directory / "model.pt", directory / "model.pt.tmp"
+    v = REPLACE_FIRST
+    torch.save(replace_version(v), staging)
+    os.replace(staging, final)
+    size = final.stat().st_size
+    stop = work / "stop"
+    procs = []
+    try:
+        for mode, n in READERS.items():
+            for i in range(n):
+                args = [str(final), mode, str(work / f"{mode}{i}.json")]
+                args += [str(work / f"{mode}{i}.ready"), str(stop)]
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, WORKER, "reader", *args],
+                        env=subprocess_env(),
+                        stderr=subprocess.PIPE,
+                        text=True,
+                        start_new_session=True,
+                    )
+                )
+        deadline = time.monotonic() + 120
+        while len(list(work.glob("*.ready"))) < len(procs):
+            assert all(p.poll() is None for p in procs), "a reader died at start"
+            assert time.monotonic() < deadline, "readers did not start"
+            time.sleep(0.05)
+        start = time.monotonic()
+        while time.monotonic() < start + WRITE_SECONDS or v < REPLACE_FIRST + MIN_VERSIONS:
+            time.sleep(max(0.0, start + (v - REPLACE_FIRST) * PERIOD - time.monotonic()))
+            v += 1
+            torch.save(replace_version(v), staging)
+            assert staging.stat().st_size == size  # every version has the same layout
+            os.replace(staging, final)
+        seconds = time.monotonic() - start
+        stop.touch()
+        for p in procs:
+            _, err = p.communicate(timeout=60)
+            assert p.returncode == 0, f"reader failed: {err[-3000:]}"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_group(p)
+                p.wait()
+    totals: dict[str, dict] = {}
+    for mode in READERS:
+        t = totals.setdefault(mode, {"exact": 0, "torn": 0, "bad": 0, "error": 0, "samples": []})
+        for f in work.glob(f"{mode}*.json"):
+            r = json.loads(f.read_text())
+            for k in ("exact", "torn", "bad", "error"):
+                t[k] += r[k]
+            t["samples"] += r["samples"]
+            t.setdefault("versions", []).append(r["versions"])
+    return v, seconds, totals
+
+
+def summary(where: str, last: int, seconds: float, totals: dict[str, dict]) -> str:
+    versions = last - REPLACE_FIRST + 1
+    parts = []
+    for mode, t in totals.items():
+        loads = t["exact"] + t["torn"] + t["bad"] + t["error"]
+        rate = t["torn"] / loads if loads else 0.0
+        parts.append(
+            f"{mode}: {loads} loads, {t['torn']} torn ({rate:.1%}), {t['bad']} bad, "
+            f"{t['error']} errors, versions seen per reader {t['versions']}"
+        )
+    rate = versions / seconds
+    return f"{where} ({versions} versions, {rate:.1f} replaces/s): " + "; ".join(parts)
+
+
+def check_race(totals: dict[str, dict]) -> None:
+    for mode, t in totals.items():
+        assert t["error"] == 0 and t["bad"] == 0, (mode, t)
+        assert min(t["versions"]) >= 2, f"{mode} readers saw no replace: {t}"
+    assert totals["plain"]["torn"] == 0, totals["plain"]
+
+
+def test_replace_while_other_processes_load(mounts, tmp_path, record_property):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    last_plain, s_plain, on_plain = race(plain, tmp_path / "race-plain")
+
+    a = mounts("a")
+    a.mount()
+    d = a.mnt / "replace"
+    d.mkdir()
+    last, s_mount, on_mount = race(d, tmp_path / "race-mount")
+
+    report = [
+        summary("plain directory", last_plain, s_plain, on_plain),
+        summary("ckptfs mount", last, s_mount, on_mount),
+    ]
+    record_property("replace_race", report)
+    print("\n" + "\n".join(report))
+    check_race(on_plain)
+    check_race(on_mount)
+    assert files_under(a.mnt) == ["replace/model.pt"]
+    expected = replace_version(last)
+    assert_same(expected, torch.load(d / "model.pt", weights_only=True))
+    umount_checked(a, ["replace/model.pt"])
+
+    for name in ("b", "c"):
+        m = mounts(name)
+        m.mount()
+        path = m.mnt / "replace" / "model.pt"
+        assert_same(expected, torch.load(path, weights_only=True), f"mount {name}")
+        assert_same(expected, torch.load(path, mmap=True, weights_only=True), f"mount {name} mmap")
+        umount_checked(m, ["replace/model.pt"])

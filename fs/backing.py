@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from .manifest import (
     read_manifest,
     write_manifest,
 )
+from .state import Published
 
 
 @dataclass
@@ -98,6 +100,51 @@ def _rmdir(root: int, rel: str) -> None:
         os.rmdir(rel, dir_fd=root)
 
 
+def _create_manifest(
+    call: Call[tuple[Entry, int]], root: int, rel: str, manifest: Manifest, uid: int, gid: int
+) -> tuple[Entry, int]:
+    """Write a new file's first manifest, owned by ``uid`` and the right group:
+    the parent's under a setgid directory, else ``gid``. Returns (entry, gid)."""
+    parent = os.stat(os.path.dirname(rel) or ".", dir_fd=root)
+    if parent.st_mode & stat.S_ISGID:
+        gid = parent.st_gid
+    write_manifest(rel, manifest, dir_fd=root, owner=(uid, gid), abandoned=call.abandoned)
+    return _entry_at(root, rel), gid
+
+
+def _replace_manifest(
+    call: Call[Published],
+    root: int,
+    rel: str,
+    manifest: Manifest,
+    owner: tuple[int, int],
+    file_id: str,
+    expect_version: str | None,
+    allow_plain: bool,
+    before: Callable[[], None] | None,
+) -> Published:
+    """Replace the manifest at ``rel`` if it still belongs to ``file_id`` (and,
+    with ``expect_version``, is still that version); ``before`` runs first."""
+    try:
+        current = read_manifest(rel, dir_fd=root)
+    except FileNotFoundError:
+        return Published.NAME_GONE
+    except ManifestError:
+        current = None  # unreadable: not ours to replace unless we replace a plain file
+        if not allow_plain:
+            return Published.NAME_GONE
+    if current is None and not allow_plain:
+        return Published.NAME_GONE  # a plain file was put at the path
+    if current is not None and current.file_id != file_id:
+        return Published.NAME_GONE
+    if expect_version is not None and (current is None or current.version != expect_version):
+        return Published.STALE
+    if before is not None:
+        before()
+    write_manifest(rel, manifest, dir_fd=root, owner=owner, abandoned=call.abandoned)
+    return Published.DONE
+
+
 def _close_quietly(fd: int | None) -> None:
     if fd is None:
         return
@@ -130,13 +177,46 @@ class Backing:
             lambda: read_manifest(rel, dir_fd=self.root_fd), what=f"read manifest {rel}"
         )
 
-    async def write_manifest(self, rel: str, manifest: Manifest, owner: tuple[int, int]) -> None:
-        def write(call: Call[None]) -> None:
-            write_manifest(
-                rel, manifest, dir_fd=self.root_fd, owner=owner, abandoned=call.abandoned
-            )
+    async def create_manifest(
+        self, rel: str, manifest: Manifest, uid: int, gid: int
+    ) -> tuple[Entry, int]:
+        """A new file's manifest, in one backing-store call; returns (entry, group)."""
+        return await self.io.run(
+            _create_manifest,
+            self.root_fd,
+            rel,
+            manifest,
+            uid,
+            gid,
+            what=f"write manifest {rel}",
+            with_call=True,
+        )
 
-        await self.io.run(write, what=f"write manifest {rel}", with_call=True)
+    async def replace_manifest(
+        self,
+        rel: str,
+        manifest: Manifest,
+        owner: tuple[int, int],
+        *,
+        file_id: str,
+        expect_version: str | None = None,
+        allow_plain: bool = False,
+        before: Callable[[], None] | None = None,
+    ) -> Published:
+        """Check what is at ``rel`` and replace it, in one backing-store call."""
+        return await self.io.run(
+            _replace_manifest,
+            self.root_fd,
+            rel,
+            manifest,
+            owner,
+            file_id,
+            expect_version,
+            allow_plain,
+            before,
+            what=f"write manifest {rel}",
+            with_call=True,
+        )
 
     async def mkdir(self, rel: str, mode: int) -> None:
         def mkdir() -> None:

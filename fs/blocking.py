@@ -74,6 +74,7 @@ class BackingIO:
         self.timeout = timeout
         self.limiter = trio.CapacityLimiter(max_threads)
         self.health = "normal"
+        self.calls = 0
         self.slow_calls = 0
         self.timeouts = 0
         self._last_ok = time.monotonic()
@@ -96,6 +97,7 @@ class BackingIO:
         ``call`` lets the caller ask afterwards whether it was abandoned.
         """
         label = what or getattr(fn, "__name__", "call")
+        self.calls += 1
         if (
             not essential
             and self.health == "down"

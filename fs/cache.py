@@ -96,6 +96,9 @@ class Cache:
         self.spilled_bytes = 0
         self._bp_logged = False
         self.backpressure_poll = BACKPRESSURE_POLL
+        # Files that hold slots, least recently used first: eviction looks at
+        # these only, not at every file the cache knows.
+        self._resident: dict[CachedFile, None] = {}
 
     # ----- registry -------------------------------------------------------
     def all_files(self) -> Iterator[CachedFile]:
@@ -166,6 +169,7 @@ class Cache:
             f.ram_count += 1
             f.dirty_count += 1
             self.dirty_pages += 1
+            self._resident[f] = None
         for p, (off, length, digest, fill) in record["spilled"].items():
             f.pages[int(p)] = Page(PageState.SPILLED, -1, fill, next(self._gen))
             f.pages[int(p)].chunk = Chunk(off, length, digest)
@@ -176,6 +180,7 @@ class Cache:
     def drop(self, f: CachedFile) -> None:
         """Forget content nobody needs any more; its slots go back to the arena."""
         self._release_pages(f, list(f.pages))
+        self._resident.pop(f, None)
         self.retired.discard(f)
         if self.files.get(f.file_id) is f:
             del self.files[f.file_id]
@@ -267,6 +272,8 @@ class Cache:
             f.flushing.file = old  # the flush in progress stores exactly this content
             old.flushing, f.flushing = f.flushing, None
         self.retired.add(old)
+        if old.ram_count:
+            self._resident[old] = None
         f.pages, f.base, f.dirty_count, f.ram_count = {}, ChunkMap(), 0, 0
         f.state, f.role = FileState.MODIFIED, FileRole.LOCAL
         f.content_gen = next(self._gen)
@@ -405,6 +412,12 @@ class Cache:
         f.content_gen = page.gen
 
     # ----- memory ---------------------------------------------------------
+    def _touch(self, f: CachedFile) -> None:
+        f.last_access = time.monotonic()
+        if f.ram_count:
+            self._resident.pop(f, None)
+            self._resident[f] = None
+
     def _signal_space(self) -> None:
         self._space_event.set()
         self._space_event = trio.Event()
@@ -439,12 +452,15 @@ class Cache:
         """Free the least recently used clean bytes: a chunk frame or a file's clean pages."""
         frame = self.frames.oldest()
         victim: CachedFile | None = None
-        for f in self.all_files():
-            if f.ram_count > f.dirty_count and (
-                victim is None or f.last_access < victim.last_access
-            ):
-                if self._clean_pages(f):
-                    victim = f
+        gone: list[CachedFile] = []
+        for f in self._resident:
+            if not f.ram_count:
+                gone.append(f)
+            elif f.ram_count > f.dirty_count and self._clean_pages(f):
+                victim = f
+                break
+        for f in gone:
+            del self._resident[f]
         if frame is not None and (victim is None or frame.last_access <= victim.last_access):
             freed = self.frames.evict(frame)
         elif victim is not None:
@@ -528,7 +544,7 @@ class Cache:
     async def read(self, f: CachedFile, off: int, size: int) -> bytes:
         if f.state is FileState.LOST:
             raise FileLost(f"{f.path}: bytes lost ({f.lost_reason or 'no holder'})")
-        f.last_access = time.monotonic()
+        self._touch(f)
         end = min(off + size, f.size)
         parts: list[bytes] = []
         pos = off
@@ -602,7 +618,7 @@ class Cache:
                 if pos > f.size:
                     f.size = pos
             f.mtime_ns = time.time_ns()
-            f.last_access = time.monotonic()
+            self._touch(f)
         return len(data)
 
     async def _copy_on_write(self, f: CachedFile, p: int, page: Page) -> None:
@@ -644,6 +660,7 @@ class Cache:
         # page holds bytes newer than the base.
         page = f.pages[p] = Page(PageState.CLEAN, slot, fill)
         f.ram_count += 1
+        self._resident.setdefault(f, None)
         self._changed(f, p, page)
 
     async def truncate(self, f: CachedFile, size: int) -> None:

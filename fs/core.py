@@ -7,11 +7,9 @@ journal's thread runner replaced so that every await can be stepped.
 
 from __future__ import annotations
 
-import csv
 import fnmatch
 import logging
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +24,7 @@ from .chunkstore import CKPTFS_DIR, ChunkStore
 from .config import Config
 from .filesystem import FileSystem
 from .flusher import Flusher
+from .history import History
 from .journal import Journal, ThreadRunner
 from .manifest import Manifest
 from .recovery import recover
@@ -33,7 +32,6 @@ from .retention import apply_retention
 from .state import FileRole, FileState
 
 log = logging.getLogger("ckptfs.core")
-HISTORY_FIELDS = ["time", "path", "size", "close_s", "mirrored_s", "durable_s", "throughput_MBps"]
 
 
 class Core:
@@ -50,12 +48,13 @@ class Core:
         self.config = config
         self.backing_root = config.backing
         self.cache_root = cache_root
-        self.history_path = config.history_file or (
-            self.backing_root / CKPTFS_DIR / "history" / f"{config.node}.csv"
-        )
-        self.history: deque[dict[str, Any]] = deque(maxlen=20)
         self.io = io or BackingIO(
             config.backing_timeout, max_threads=max(8, 2 * config.flush_workers)
+        )
+        self.history = History(
+            config.history_file
+            or (self.backing_root / CKPTFS_DIR / "history" / f"{config.node}.csv"),
+            self.io,
         )
         self.cache_root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.arena = Arena(self.cache_root / "arena", config.cache_size, slot_size)
@@ -70,7 +69,7 @@ class Core:
             workers=config.flush_workers,
             bandwidth=config.flush_bandwidth,
             chunk_size=config.chunk_size,
-            publish=lambda f, m: self.fs.publish(f, m),
+            publish=lambda f, make, version: self.fs.publish(f, make, expect_version=version),
             on_durable=self._on_durable,
         )
         self.cache.on_pending = self.flusher.enqueue
@@ -85,6 +84,7 @@ class Core:
         await nursery.start(self.flusher.run)
         nursery.start_soon(self.cache.run_spiller)
         nursery.start_soon(self.journal.run)
+        nursery.start_soon(self.history.run)
         nursery.start_soon(self.fs.retry_commits)
         if prefault and self.config.cache_prefault:
             nursery.start_soon(self._prefault)
@@ -177,12 +177,8 @@ class Core:
             "durable_s": round(now - closed, 3),
             "throughput_MBps": round(f.size / max(now - f.opened_at, 1e-6) / 1e6, 1),
         }
-        self.history.append(record)
+        self.history.add(record)
         log.info("durable: %s (%d bytes, %.2fs after close)", f.path, f.size, now - closed)
-        try:
-            await self.io.run(self._append_history, record, what="history")
-        except OSError as exc:
-            log.warning("could not append to history %s: %s", self.history_path, exc)
         await self._retention(f.path)
 
     async def _retention(self, path: str) -> None:
@@ -214,12 +210,3 @@ class Core:
             )
         except OSError as exc:
             log.error("retention under %s failed: %s", root, exc)
-
-    def _append_history(self, record: dict[str, Any]) -> None:
-        self.history_path.parent.mkdir(parents=True, exist_ok=True)
-        new = not self.history_path.exists()
-        with open(self.history_path, "a", newline="") as out:
-            writer = csv.DictWriter(out, fieldnames=HISTORY_FIELDS)
-            if new:
-                writer.writeheader()
-            writer.writerow(record)

@@ -36,11 +36,14 @@ from .flusher import Flusher
 from .inodes import ROOT, Inode, InodeTable
 from .journal import record_of
 from .manifest import Manifest, new_id
+from .nslock import NamespaceLock
 from .state import FileState, Published
 
 log = logging.getLogger("ckptfs.fs")
 PRIVILEGE_BITS = stat.S_ISUID | stat.S_ISGID
 RETRY_INTERVAL = 5.0
+# Below the kernel's own attribute timeout: no staler than what it caches anyway.
+DIR_ATTR_REUSE = 0.5
 
 
 class FsError(OSError):
@@ -118,7 +121,7 @@ class FileSystem:
         self.handles: dict[int, Handle] = {}
         self.dir_handles: dict[int, tuple[int, list[tuple[str, Entry]] | None]] = {}
         self._fh = itertools.count(1)
-        self.ns_lock = trio.Lock()  # path-dependent backing updates (rename vs. publish)
+        self.ns_lock = NamespaceLock()  # path-dependent backing updates (rename vs. publish)
         self._retry: set[CachedFile] = set()  # commits that failed; retried in the background
         cache.referenced = self._referenced
 
@@ -188,6 +191,9 @@ class FileSystem:
             return self._attr(inode, None)
         if inode.kind == "file" and inode.file is not None and inode.file.handles:
             return self._attr(inode, None)  # open here: our copy is current
+        now = time.monotonic()
+        if inode.kind == "dir" and now - inode.dir_attrs_at < DIR_ATTR_REUSE:
+            return self._attr(inode, inode.dir_attrs)
         try:
             entry = await self.backing.entry(self.inodes.path(ino))
         except FileNotFoundError:
@@ -195,6 +201,8 @@ class FileSystem:
                 return self._attr(inode, None)
             raise FsError(errno.ENOENT) from None
         same = entry.ident == inode.ident or ino == ROOT
+        if inode.kind == "dir" and same:
+            inode.dir_attrs, inode.dir_attrs_at = entry, now
         return self._attr(inode, entry if same else None)
 
     def _inode(self, ino: int) -> Inode:
@@ -280,7 +288,7 @@ class FileSystem:
     # ----- names ------------------------------------------------------------
     async def unlink(self, parent: int, name: str) -> None:
         path = self.inodes.child_path(parent, name)
-        async with self.ns_lock:
+        async with self.ns_lock.exclusive():
             entry = await self._entry(path)
             if entry.kind == "dir":
                 raise FsError(errno.EISDIR)
@@ -303,7 +311,7 @@ class FileSystem:
             raise FsError(errno.EINVAL, "only RENAME_NOREPLACE is supported")
         old_path = self.inodes.child_path(p_old, old)
         new_path = self.inodes.child_path(p_new, new)
-        async with self.ns_lock:
+        async with self.ns_lock.exclusive():
             source = await self._entry(old_path)
             try:
                 target: Entry | None = await self.backing.entry(new_path)
@@ -346,15 +354,17 @@ class FileSystem:
         self, parent: int, name: str, mode: int, flags: int, caller: Caller
     ) -> tuple[int, Attr]:
         path = self.inodes.child_path(parent, name)
-        uid, gid, _ = await self._new_owner(parent, caller)
-        f = self.cache.new_file(new_id(), new_id(), path, mode & 0o7777, uid, gid)
+        f = self.cache.new_file(new_id(), new_id(), path, mode & 0o7777, caller.uid, caller.gid)
         try:
-            async with self.ns_lock:
-                await self.backing.write_manifest(path, self._manifest(f, f.version), (uid, gid))
+            async with self.ns_lock.shared(lambda: self.inodes.child_path(parent, name)) as path:
+                f.path = path
+                # One backing-store call: the parent's setgid, the manifest, its entry.
+                entry, f.gid = await self.backing.create_manifest(
+                    path, self._manifest(f, f.version), caller.uid, caller.gid
+                )
         except BaseException:
             self.cache.drop(f)
             raise
-        entry = await self._entry(path)
         inode = self._bind(parent, name, entry)
         inode.file, f.ino = f, inode.ino
         inode.kernel_version = f.version
@@ -519,14 +529,25 @@ class FileSystem:
 
     async def _publish_content(self, f: CachedFile) -> None:
         snap = self.cache.begin_publish(f, new_id())
-        try:
+        journal = self.cache.journal
+        record = record_of(snap)
+        key = (f.file_id, snap.version)
+
+        def save_record() -> None:
+            # In the same backing-store call, before the manifest: recovery must
+            # find the record of any pending manifest it finds.
             try:
-                await self.cache.journal.save(record_of(snap))
+                journal.write_now(key, record)
             except OSError as exc:  # tmpfs full or gone: publish anyway, without crash safety
                 log.error("cache journal for %s not written (%s): a daemon crash before "
                           "it is durable loses it", f.path, exc)  # fmt: skip
+
+        try:
             path = f.path
-            result = await self.publish(f, lambda _: self._manifest(f, snap.version, snap.size))
+            async with journal.locked(key):
+                result = await self.publish(
+                    f, lambda: self._manifest(f, snap.version, snap.size), before=save_record
+                )
         except BaseException:
             self.cache.publish_failed(snap, name_gone=False)
             if f.state is FileState.MODIFIED and not f.writers:
@@ -538,7 +559,7 @@ class FileSystem:
         self._retry.discard(f)
         if self.cache.published(snap):
             if f.path != path:  # renamed while its record was being written
-                await self.cache.journal.save(record_of(self.cache.journal_snapshot(f)))
+                await journal.save(record_of(self.cache.journal_snapshot(f)))
             inode = self.inodes.get(f.ino) if f.ino else None
             if inode is not None:
                 inode.kernel_version = f.version
@@ -566,39 +587,49 @@ class FileSystem:
         raise FsError(errno.EIO, f"{f.path} did not become durable within {limit:.0f}s")
 
     async def publish(
-        self, f: CachedFile, make: Callable[[Manifest | None], Manifest | None]
+        self,
+        f: CachedFile,
+        make: Callable[[], Manifest | None],
+        *,
+        expect_version: str | None = None,
+        before: Callable[[], None] | None = None,
     ) -> Published:
-        """Write ``make(current)`` at the file's current path if that path is still ours.
+        """Write ``make()`` at the file's current path if that path is still ours.
 
         The manifest is built under the namespace lock, so it reflects the
         file's state at the moment it is written (a metadata update can never
-        put back a pending manifest over a newer durable one). ``make``
-        returns None when what it would publish is already stale. The manifest
-        file is owned by the file's owner.
+        put back a pending manifest over a newer durable one); ``make``
+        returns None when what it would publish is already stale. With
+        ``expect_version``, the manifest in the backing store must still be
+        that version (another node may have published a newer one). The
+        manifest file is owned by the file's owner; ``before`` runs in the
+        same backing-store call, first.
         """
-        async with self.ns_lock:
+        async with self.ns_lock.shared(lambda: f.path) as path:
             if f.unlinked:
                 return Published.NAME_GONE
-            try:
-                current = await self.backing.manifest(f.path)
-            except FileNotFoundError:
-                return Published.NAME_GONE
-            if current is None and not f.replaces_plain:
-                return Published.NAME_GONE  # a plain file was put at the path
-            if current is not None and current.file_id != f.file_id:
-                return Published.NAME_GONE
-            manifest = make(current)
+            manifest = make()
             if manifest is None:
                 return Published.STALE
-            await self.backing.write_manifest(f.path, manifest, (f.uid, f.gid))
-            f.replaces_plain = False
-            return Published.DONE
+            result = await self.backing.replace_manifest(
+                path,
+                manifest,
+                (f.uid, f.gid),
+                file_id=f.file_id,
+                expect_version=expect_version,
+                allow_plain=f.replaces_plain,
+                before=before,
+            )
+            if result is Published.DONE:
+                f.replaces_plain = False
+            return result
 
     async def setattr(self, ino: int, change: SetAttr, caller: Caller) -> Attr:
         inode = self._inode(ino)
         if inode.kind == "file" or (inode.kind == "plain" and change.size is not None):
             return await self._setattr_file(inode, change, caller)
         path = self.inodes.path(ino)
+        inode.dir_attrs_at = 0.0  # what follows changes them
         if change.mode is not None and inode.kind != "symlink":
             await self.backing.chmod(path, change.mode & 0o7777)
         if change.uid is not None or change.gid is not None:
@@ -656,20 +687,18 @@ class FileSystem:
     async def _republish_meta(self, f: CachedFile) -> None:
         """Mode, owner or times changed, not content: rewrite the manifest as it is."""
 
-        def make(current: Manifest | None) -> Manifest | None:
-            if f.state is FileState.DURABLE:
-                return Manifest(
-                    f.file_id, f.version, f.size, f.mode, f.mtime_ns, "durable", [self.node],
-                    list(f.base.chunks), f.chunking, f.atime_ns,
-                )  # fmt: skip
-            if f.state in (FileState.PENDING, FileState.LOST) and current is not None:
-                return Manifest(
-                    f.file_id, current.version, current.size, f.mode, f.mtime_ns,
-                    current.state, current.holders, current.chunks, current.chunking, f.atime_ns,
-                )  # fmt: skip
-            return None  # being published: the commit carries the new metadata
+        def make() -> Manifest | None:
+            state = {FileState.DURABLE: "durable", FileState.PENDING: "pending"}.get(f.state)
+            if f.state is FileState.LOST:
+                state = "pending"  # still somebody else's pending version
+            if state is None:
+                return None  # being published: the commit carries the new metadata
+            return Manifest(
+                f.file_id, f.version, f.size, f.mode, f.mtime_ns, state, list(f.holders),
+                list(f.base.chunks) if state == "durable" else [], f.chunking, f.atime_ns,
+            )  # fmt: skip
 
-        await self.publish(f, make)
+        await self.publish(f, make, expect_version=f.version)
 
     async def statfs(self) -> os.statvfs_result:
         return await self.backing.statvfs()

@@ -134,6 +134,10 @@ def plan(
     return "fixed", ranges
 
 
+# Files up to this size are flushed in one backing-store call.
+SMALL_FILE = 1 << 20
+
+
 class Flusher:
     def __init__(
         self,
@@ -227,14 +231,17 @@ class Flusher:
     async def _flush(self, snap: Snapshot) -> None:
         what = snap.file.path
         reader = SnapshotReader(snap, self.cache.arena, self.cache.store, what)
-        kind, ranges = await self._in_thread(
-            snap, lambda: plan(snap, reader, self.chunk_size), f"plan of {what}"
-        )
-        chunks: list[Chunk | None] = [None] * len(ranges)
-        async with trio.open_nursery() as nursery:
-            for i, (off, length) in enumerate(ranges):
-                nursery.start_soon(self._store_chunk, snap, i, off, length, chunks)
-        stored = [c for c in chunks if c is not None]
+        if snap.size <= SMALL_FILE and not self.bandwidth.rate:
+            kind, stored = await self._store_small(snap, reader)
+        else:
+            kind, ranges = await self._in_thread(
+                snap, lambda: plan(snap, reader, self.chunk_size), f"plan of {what}"
+            )
+            chunks: list[Chunk | None] = [None] * len(ranges)
+            async with trio.open_nursery() as nursery:
+                for i, (off, length) in enumerate(ranges):
+                    nursery.start_soon(self._store_chunk, snap, i, off, length, chunks)
+            stored = [c for c in chunks if c is not None]
         f = snap.file
         manifest = Manifest(
             file_id=f.file_id,
@@ -249,17 +256,18 @@ class Flusher:
             atime_ns=f.atime_ns,
         )
 
-        # Checked again under the publish lock: the file may have changed, or a
-        # newer version may have been published while the last chunks were stored.
-        def fresh(current: Manifest | None) -> Manifest | None:
+        # Checked again under the publish lock: the file may have changed; and
+        # the backing store must still hold the pending manifest of this very
+        # version (another node may have published a newer one meanwhile).
+        def fresh() -> Manifest | None:
             if not self._unchanged(snap):
-                return None
-            if current is not None and current.version != snap.version:
                 return None
             manifest.mode, manifest.mtime_ns, manifest.atime_ns = f.mode, f.mtime_ns, f.atime_ns
             return manifest
 
-        result = await self.publish(snap.file, fresh) if self._unchanged(snap) else None
+        result = (
+            await self.publish(snap.file, fresh, snap.version) if self._unchanged(snap) else None
+        )
         if result is Published.NAME_GONE:
             # Its name was removed or replaced in the backing store (by another
             # node, or it was a version being rewritten that was renamed away).
@@ -319,6 +327,38 @@ class Flusher:
                 done.set()
             out[i] = Chunk(off, length, digest)
             snap.file.flushed_bytes += length
+
+    async def _store_small(self, snap: Snapshot, reader: SnapshotReader) -> tuple[str, list[Chunk]]:
+        """Plan, hash and store a small file in one backing-store call: for a
+        directory of small files the round trips, not the bytes, are the cost.
+        Two files with the same small chunk may both store it; a store is an
+        atomic rename, so that costs a write, never a wrong chunk."""
+        store = self.cache.store
+
+        def plan_and_store() -> tuple[str, list[tuple[Chunk, int]], float]:
+            kind, ranges = plan(snap, reader, self.chunk_size)
+            done, hash_time = [], 0.0
+            for off, length in ranges:
+                pieces = reader.pieces(off, length)
+                t0 = time.perf_counter()
+                digest = pieces_hash(pieces)
+                hash_time += time.perf_counter() - t0
+                written = store.put(digest, pieces)  # 0 if it was there: dedup
+                done.append((Chunk(off, length, digest), written))
+            return kind, done, hash_time
+
+        async with self.chunk_limiter:
+            kind, done, hash_time = await self._in_thread(
+                snap, plan_and_store, f"flush of {snap.file.path}"
+            )
+        self.hash_seconds += hash_time
+        for chunk, written in done:
+            self.bytes_hashed += chunk.length
+            self.bytes_stored += written
+            self.bytes_deduped += chunk.length - written
+            self._window.append((time.monotonic(), written))
+            snap.file.flushed_bytes += chunk.length
+        return kind, [chunk for chunk, _ in done]
 
     async def _in_thread(self, snap: Snapshot, fn: Callable[[], Any], what: str) -> Any:
         """``fn`` in a backing-store thread that reads the snapshot's pinned slots.

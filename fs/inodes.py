@@ -10,6 +10,7 @@ subtree at once.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import pyfuse3
 
@@ -30,6 +31,11 @@ class Inode:
     unlinked: bool = False
     file: CachedFile | None = None
     kernel_version: str | None = None  # the version the kernel's page cache holds
+    # A directory's last backing-store attributes and when they were read:
+    # the kernel asks again after every create in it (it invalidates the
+    # parent), and a round trip per create halves small-file throughput.
+    dir_attrs: Any = None
+    dir_attrs_at: float = 0.0
 
 
 class InodeTable:

@@ -19,7 +19,8 @@ import json
 import logging
 import math
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,18 @@ class Journal:
             await self._run_sync(self._write, key, record)
         self._release_lock(key, lock)
 
+    @asynccontextmanager
+    async def locked(self, key: Key) -> AsyncIterator[None]:
+        """Held around a save done elsewhere (write_now in a backing-store call)."""
+        lock = self._lock(key)
+        async with lock:
+            yield
+        self._release_lock(key, lock)
+
+    def write_now(self, key: Key, record: dict[str, Any]) -> None:
+        """Blocking save, for a thread that holds ``lock(key)``."""
+        self._write(key, record)
+
     async def drop(self, key: Key) -> None:
         """Remove a record and wait until it is gone (before bytes it lists change)."""
         lock = self._lock(key)
@@ -108,12 +121,38 @@ class Journal:
         self._later_send.send_nowait(key)
 
     async def run(self) -> None:
-        """Background task: carry out drop_later requests in order."""
+        """Background task: carry out drop_later requests, all those queued
+        at once in one thread call (a directory of small files would
+        otherwise pay a thread round trip per file)."""
         async for key in self._later_recv:
+            batch = {key: None}
+            while True:
+                try:
+                    batch[self._later_recv.receive_nowait()] = None
+                except trio.WouldBlock:
+                    break
+            await self._drop_many(list(batch))
+
+    async def _drop_many(self, keys: list[Key]) -> None:
+        async with AsyncExitStack() as stack:
+            # Sorted: a fixed order, so two batches can never wait for each other.
+            locks = [(key, self._lock(key)) for key in sorted(keys)]
+            for _, lock in locks:
+                await stack.enter_async_context(lock)
+            failed = await self._run_sync(self._remove_many, keys)
+        for key, lock in locks:
+            self._release_lock(key, lock)
+        for key, exc in failed:
+            log.error("could not remove cache journal record %s: %s", self._path(key), exc)
+
+    def _remove_many(self, keys: list[Key]) -> list[tuple[Key, OSError]]:
+        failed = []
+        for key in keys:
             try:
-                await self.drop(key)
+                self._remove(key)
             except OSError as exc:
-                log.error("could not remove cache journal record %s: %s", self._path(key), exc)
+                failed.append((key, exc))
+        return failed
 
     def _write(self, key: Key, record: dict[str, Any]) -> None:
         path = self._path(key)

@@ -46,6 +46,8 @@ _seen: set[tuple[str, int]] = set()
 
 
 def _log_failure(op: str, args: tuple[Any, ...], exc: OSError, err: int) -> None:
+    if op == "lookup" and err == errno.ENOENT:
+        return  # every create and exists() starts with one: not even a refusal
     if err in EXPECTED:
         first = (op, err) not in _seen
         _seen.add((op, err))

@@ -45,6 +45,11 @@ def check_backing(backing: Path | None, mountpoint: Path) -> Path:
         probe.write_bytes(b"")
         probe.unlink()
         (resolved / ".ckptfs" / "chunks").mkdir(parents=True, exist_ok=True)
+        # Chunks hold every file's bytes whatever the file's mode: only the
+        # daemon (and root's offline tools) may read them. Users read through
+        # the mount, where the manifest's owner and mode are enforced.
+        if os.geteuid() == 0:
+            os.chmod(resolved / ".ckptfs", 0o700)
     except OSError as exc:
         reason = (
             "permission denied"

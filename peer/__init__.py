@@ -1,5 +1,41 @@
 """Multi-node features (membership, buddy mirroring, peer reads, takeover).
 
-Not built yet: the single-node filesystem in ``ckptfs.fs`` records holders in
-every manifest and keeps per-file state so that these features can attach.
+Built so far: the authenticated peer transport that these features will use:
+``wire`` (the frame format), ``auth`` (the handshake between two nodes) and
+``transport`` (servers, clients, concurrent requests over one connection).
+The single-node filesystem in ``ckptfs.fs`` records holders in every manifest
+and keeps per-file state so that the features above can attach.
 """
+
+from .auth import AuthError
+from .transport import (
+    ConnectionClosed,
+    Limits,
+    PeerClient,
+    PeerConnection,
+    PeerTimeout,
+    PeerUnreachable,
+    RemoteError,
+    Request,
+    Response,
+    connect,
+    serve,
+)
+from .wire import PeerError, ProtocolError
+
+__all__ = [
+    "AuthError",
+    "ConnectionClosed",
+    "Limits",
+    "PeerClient",
+    "PeerConnection",
+    "PeerError",
+    "PeerTimeout",
+    "PeerUnreachable",
+    "ProtocolError",
+    "RemoteError",
+    "Request",
+    "Response",
+    "connect",
+    "serve",
+]

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -155,13 +156,16 @@ class Mount:
         return bad
 
 
-@pytest.fixture
-def mounts(tmp_path: Path) -> Iterator[Any]:
-    """Factory: ``mounts("n1")`` returns a Mount (not yet mounted)."""
+@contextmanager
+def mount_factory(root: Path, *, run_dir_mode: int | None = None) -> Iterator[Any]:
+    """``make("n1")`` returns a Mount under ``root`` (not yet mounted); every
+    mount is cleaned up, and its log checked, at the end."""
     made: list[Mount] = []
 
     def make(name: str = "m") -> Mount:
-        m = Mount(tmp_path, name)
+        m = Mount(root, name)
+        if run_dir_mode is not None:
+            m.run_dir.chmod(run_dir_mode)
         made.append(m)
         return m
 
@@ -173,6 +177,13 @@ def mounts(tmp_path: Path) -> Iterator[Any]:
             m.cleanup()
             problems += m.unexpected_log_lines()
         assert not problems, "unexpected daemon log lines:\n" + "\n".join(problems)
+
+
+@pytest.fixture
+def mounts(tmp_path: Path) -> Iterator[Any]:
+    """Factory: ``mounts("n1")`` returns a Mount (not yet mounted)."""
+    with mount_factory(tmp_path) as make:
+        yield make
 
 
 @pytest.fixture

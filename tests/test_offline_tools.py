@@ -416,3 +416,33 @@ def test_format_doc_script_reassembles(backing: Path, tmp_path: Path) -> None:
     out = tmp_path / "model.pt"
     namespace["reassemble"](str(backing), str(backing / "model.pt"), str(out))  # type: ignore[operator]
     assert out.read_bytes() == data
+
+
+def test_format_doc_script_reassembles_a_sparse_file_with_its_times(
+    backing: Path, tmp_path: Path
+) -> None:
+    text = (Path(__file__).parents[1] / "docs" / "FORMAT.md").read_text()
+    script = text.split("```python\n")[-1].split("```")[0]
+    namespace: dict[str, object] = {"__name__": "format_doc"}
+    exec(compile(script, "FORMAT.md", "exec"), namespace)
+    store = ChunkStore(backing)
+    head, middle = os.urandom(5000), os.urandom(7000)
+    chunks = []
+    for off, piece in ((0, head), (1 << 20, middle)):  # a gap between, and one after
+        digest = chunk_hash(piece)
+        store.put(digest, piece)
+        chunks.append(Chunk(off, len(piece), digest))
+    size = (3 << 20) + 17
+    manifest = Manifest(
+        new_id(), new_id(), size, 0o100600, 1_600_000_000_000_000_007, "durable", ["n1"],
+        chunks, "fixed", atime_ns=1_500_000_000_000_000_003,
+    )  # fmt: skip
+    write_manifest(backing / "sparse.bin", manifest, sync=False)
+    out = tmp_path / "sparse.bin"
+    namespace["reassemble"](str(backing), str(backing / "sparse.bin"), str(out))  # type: ignore[operator]
+    expected = bytearray(size)
+    expected[: len(head)] = head
+    expected[1 << 20 : (1 << 20) + len(middle)] = middle
+    st = os.stat(out)  # before reading it (relatime would move atime)
+    assert (st.st_atime_ns, st.st_mtime_ns) == (manifest.atime_ns, manifest.mtime_ns)
+    assert out.read_bytes() == bytes(expected)

@@ -144,7 +144,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
         reply = {"ok": False, "error": str(exc)}
     if not reply.get("ok"):
         if not args.force:
-            raise CliError(f"not unmounted: {reply.get('error')} {reply.get('not_durable', '')}")
+            raise CliError(f"not unmounted: {_refusal(reply)}")
         subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False)
     _wait_gone(mountpoint, pid, 60)
     print(f"unmounted {mountpoint}")
@@ -202,6 +202,15 @@ def cmd_stat(args: argparse.Namespace) -> int:
         time.sleep(args.interval)
 
 
+def _refusal(reply: dict[str, Any]) -> str:
+    """The daemon's error, and the files it names, if any."""
+    error = str(reply.get("error", "refused"))
+    files = reply.get("not_durable") or []
+    if isinstance(files, str):
+        files = [files]
+    return f"{error}: {', '.join(files)}" if files else error
+
+
 def cmd_flush(args: argparse.Namespace) -> int:
     mountpoint, rel = _daemon_for(args.path)
     reply = _ask(
@@ -210,7 +219,7 @@ def cmd_flush(args: argparse.Namespace) -> int:
         timeout=None if args.wait else 30,
     )
     if not reply.get("ok"):
-        raise CliError(f"{reply.get('error')}: {', '.join(reply.get('not_durable', []))}")
+        raise CliError(_refusal(reply))
     what = "durable" if args.wait else "queued"
     print(f"{reply.get('files', 0)} file(s) {what} under {mountpoint / rel}")
     return 0
@@ -284,3 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `ckptfs stat | head`: the reader went away; not an error of ours.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

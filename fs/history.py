@@ -1,0 +1,72 @@
+"""The per-node history of durable files (a CSV in the backing store).
+
+Lines are appended by a background task, all those queued in one
+backing-store call, so a directory of small files does not pay a thread
+round trip per file; ``stat`` shows the most recent ones from memory.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from .blocking import BackingIO
+
+log = logging.getLogger(__name__)
+
+FIELDS = ["time", "path", "size", "close_s", "mirrored_s", "durable_s", "throughput_MBps"]
+SHUTDOWN_WRITE_TIMEOUT = 5.0
+
+
+class History:
+    def __init__(self, path: Path, io: BackingIO) -> None:
+        self.path = path
+        self.io = io
+        self.recent: deque[dict[str, Any]] = deque(maxlen=20)
+        self._send, self._recv = trio.open_memory_channel[dict[str, Any]](math.inf)
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.recent.append(record)
+        self._send.send_nowait(record)
+
+    async def run(self) -> None:
+        """Background task; at cancellation (unmount) it writes what is queued."""
+        try:
+            async for record in self._recv:
+                await self._write([record, *self._queued()])
+        finally:
+            rest = self._queued()
+            if rest:
+                with trio.CancelScope(shield=True), trio.move_on_after(SHUTDOWN_WRITE_TIMEOUT):
+                    await self._write(rest)
+
+    def _queued(self) -> list[dict[str, Any]]:
+        records = []
+        while True:
+            try:
+                records.append(self._recv.receive_nowait())
+            except (trio.WouldBlock, trio.ClosedResourceError, trio.EndOfChannel):
+                return records
+
+    async def _write(self, records: list[dict[str, Any]]) -> None:
+        try:
+            await self.io.run(self._append, records, what=f"history {self.path}")
+        except OSError as exc:
+            log.warning(
+                "could not append %d line(s) to history %s: %s", len(records), self.path, exc
+            )
+
+    def _append(self, records: list[dict[str, Any]]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        new = not self.path.exists()
+        with open(self.path, "a", newline="") as out:
+            writer = csv.DictWriter(out, fieldnames=FIELDS)
+            if new:
+                writer.writeheader()
+            writer.writerows(records)

@@ -1,0 +1,66 @@
+"""The namespace lock: orders backing-store updates that depend on a path.
+
+A rename or unlink changes what a path means, so it runs alone (exclusive).
+Writing a manifest at a path (a create, a publish) only needs that path to
+keep its meaning and no other writer at the same path, so such writes take
+the lock shared plus a per-path lock. Without this, every create and every
+close on a mount waited for each other's backing-store round trip, and a
+directory of small files was written one manifest at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import trio
+
+
+class NamespaceLock:
+    def __init__(self) -> None:
+        self._writer = trio.Lock()  # FIFO among exclusive holders
+        self._closed = False  # an exclusive holder is waiting or running
+        self._reopened = trio.Event()
+        self._sharers = 0
+        self._idle = trio.Event()
+        self._paths: dict[str, tuple[trio.Lock, int]] = {}
+
+    @asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        async with self._writer:
+            # New sharers wait from now on, so a stream of publishes cannot
+            # starve a rename.
+            self._closed = True
+            try:
+                while self._sharers:
+                    await self._idle.wait()
+                yield
+            finally:
+                self._closed = False
+                self._reopened.set()
+                self._reopened = trio.Event()
+
+    @asynccontextmanager
+    async def shared(self, path_of: Callable[[], str]) -> AsyncIterator[str]:
+        """Yields the path, read once no rename can run any more."""
+        while self._closed:
+            await self._reopened.wait()
+        self._sharers += 1
+        path = path_of()
+        lock, users = self._paths.get(path, (None, 0))
+        if lock is None:
+            lock = trio.Lock()
+        self._paths[path] = (lock, users + 1)
+        try:
+            async with lock:
+                yield path
+        finally:
+            lock, users = self._paths[path]
+            if users == 1:
+                del self._paths[path]
+            else:
+                self._paths[path] = (lock, users - 1)
+            self._sharers -= 1
+            if not self._sharers:
+                self._idle.set()
+                self._idle = trio.Event()

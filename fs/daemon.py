@@ -21,6 +21,7 @@ from typing import Any
 
 import pyfuse3
 import trio
+from ckptfs.peer.node import PeerNode
 
 from . import control
 from .config import Config
@@ -43,6 +44,7 @@ class Daemon:
         self.owners = {os.stat(mountpoint).st_uid, os.geteuid()}
         self.sock_path, self.pid_path, _ = run_files(config.run_dir, mountpoint)
         self.core = Core(config, config.cache_dir / mount_id(mountpoint))
+        self.peer = PeerNode(config.peers_config) if config.peers_config else None
         self.started = time.time()
         self._terminating = False
 
@@ -54,6 +56,8 @@ class Daemon:
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
                 await core.start(nursery)
+                if self.peer is not None:
+                    await nursery.start(self.peer.run)
                 ops = Operations(core.fs, self.config.writeback_cache, self.config.direct_writes)
                 options = set(pyfuse3.default_options) | {"fsname=ckptfs", "subtype=ckptfs"}
                 if self.config.allow_other:
@@ -160,7 +164,7 @@ class Daemon:
                 for f in under
                 if f.state is FileState.LOST
             ],
-            "peers": [],
+            "peers": self.peer.stats() if self.peer else [],
             "history": list(core.history.recent),
         }
 

@@ -172,6 +172,7 @@ class FileSystem:
 
     def _bind(self, parent: int, name: str, entry: Entry) -> Inode:
         inode = self.inodes.bind(parent, name, entry.kind, entry.ident)
+        self._checked(inode, entry)
         if entry.manifest is not None and inode.file is None:
             inode.file = self.cache.files.get(entry.manifest.file_id)
             if inode.file is not None:
@@ -201,6 +202,8 @@ class FileSystem:
                 return self._attr(inode, None)
             raise FsError(errno.ENOENT) from None
         same = entry.ident == inode.ident or ino == ROOT
+        if same:
+            self._checked(inode, entry)
         if inode.kind == "dir" and same:
             inode.dir_attrs, inode.dir_attrs_at = entry, now
         return self._attr(inode, entry if same else None)
@@ -413,15 +416,28 @@ class FileSystem:
         inode.kernel_version = f.version
         return fh, keep
 
+    @staticmethod
+    def _checked(inode: Inode, entry: Entry) -> None:
+        if entry.manifest is not None:
+            inode.checked_version, inode.checked_at = entry.manifest.version, time.monotonic()
+
     async def _file_for(self, inode: Inode, writable: bool, truncate: bool = False) -> CachedFile:
         """The cached file behind an inode, (re)loaded from its manifest if needed."""
         f = inode.file
         if f is not None and (inode.unlinked or f.handles or f.modified):
             return f  # open or changed here: our copy is the current one
+        if (
+            f is not None
+            and not writable
+            and f.version == inode.checked_version
+            and time.monotonic() - inode.checked_at < self.config.open_recheck
+        ):
+            return f  # the lookup just before this open read the manifest
         if inode.unlinked:
             raise FsError(errno.ENOENT)
         path = self.inodes.path(inode.ino)
         entry = await self._entry(path)
+        self._checked(inode, entry)
         if entry.kind == "plain":
             return await self._adopt_plain(inode, path, entry, writable, truncate)
         m = entry.manifest

@@ -36,6 +36,9 @@ class Inode:
     # parent), and a round trip per create halves small-file throughput.
     dir_attrs: Any = None
     dir_attrs_at: float = 0.0
+    # The manifest version the last lookup/stat found at this name, and when.
+    checked_version: str | None = None
+    checked_at: float = 0.0
 
 
 class InodeTable:

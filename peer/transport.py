@@ -647,16 +647,18 @@ class PeerConnection:
 
     async def _run(self) -> None:
         reason = "closed by this node"
+        local = True  # cancelled (this node shutting down) unless we learn otherwise
         try:
             with self._rx_scope:
                 reason = await self._receive_loop()
+                local = False
         except PeerError as exc:
-            reason = str(exc)
+            reason, local = str(exc), False
         except Exception as exc:  # a bug here must not take the client's nursery down
             log.exception("receive task for peer %r failed", self.peer_node)
-            reason = f"internal error: {exc!r}"
+            reason, local = f"internal error: {exc!r}", False
         finally:
-            self._close(one_line(reason), final=True)
+            self._close(one_line(reason), local=local, final=True)
             with trio.CancelScope(shield=True):
                 await self._channel.aclose()
             self._rx_done.set()

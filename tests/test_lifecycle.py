@@ -152,6 +152,43 @@ def test_a_version_replaced_by_another_node_releases_the_old_one(mounts):
     assert m.stat()["cache"]["used"] == 0
 
 
+def _rewrite_elsewhere(backing: Path, rel: str, data: bytes) -> None:
+    """What another node's flush leaves: a new durable version of the same file."""
+    manifest = read_manifest(backing / rel)
+    assert manifest is not None
+    ChunkStore(backing).put(chunk_hash(data), data)
+    write_manifest(
+        backing / rel,
+        Manifest(
+            manifest.file_id, new_id(), len(data), 0o644, time.time_ns(), "durable", ["other"],
+            [Chunk(0, len(data), chunk_hash(data))],
+        ),
+    )  # fmt: skip
+
+
+def test_open_sees_another_nodes_rewrite_once_its_recheck_window_passed(mounts):
+    """An open re-reads the manifest (close-to-open), except right after a
+    lookup or stat that just did (fuse.open_recheck, 0.05 s by default)."""
+    strict, default = mounts("strict"), mounts("default")
+    strict.mount(env={"CKPTFS_FUSE_OPEN_RECHECK": "0"})
+    default.mount()
+    v1, v2, v3 = rand(MiB, 30), rand(MiB, 31), rand(MiB, 32)
+    (strict.mnt / "x.bin").write_bytes(v1)
+    strict.wait_durable()
+    for m in (strict, default):
+        assert (m.mnt / "x.bin").read_bytes() == v1
+        os.stat(m.mnt / "x.bin")  # the kernel now caches the name and size
+    _rewrite_elsewhere(strict.backing, "x.bin", v2)
+    # Same size: the kernel's cached attributes do not give it away.
+    assert (strict.mnt / "x.bin").read_bytes() == v2  # at once, with no window
+    time.sleep(0.1)
+    assert (default.mnt / "x.bin").read_bytes() == v2  # once the window has passed
+    _rewrite_elsewhere(strict.backing, "x.bin", v3)
+    time.sleep(0.1)
+    with open(default.mnt / "x.bin", "rb") as f:
+        assert f.read() == v3
+
+
 def test_recovery_reads_the_backing_store_off_the_loop_with_a_timeout(mounts):
     """A crashed daemon left a pending file; the new daemon's read of its
     manifest hangs (a dead NFS server, here a FIFO): the mount must still come up."""

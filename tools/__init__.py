@@ -1,1 +1,1 @@
-"""Operator tools: the CLI, the control client, export/gc/check and benchmarks."""
+"""Operator tools: the CLI, the control client, export/gc/check; benchmarks in bench/."""

@@ -29,6 +29,13 @@ def format_stat(s: dict[str, Any]) -> str:
         f"{human(fl['throughput'])}/s now, hashing {human(fl['hash_throughput'])}/s"
         + (f", cap {human(fl['bandwidth_cap'])}/s" if fl["bandwidth_cap"] else ""),
     ]
+    for p in s.get("peers", []):
+        age = p.get("last_heartbeat_age")
+        heard = "never" if age is None else f"{age:.1f}s ago"
+        lines.append(
+            f"peer:    {p['name']} {p['address']}  {p['state']}  last heartbeat {heard}"
+            + ("  (buddy)" if p.get("buddy") else "")
+        )
     if s["files"]:
         lines.append(f"{'STATE':<9} {'SIZE':>10} {'FLUSHED':>8}  PATH")
         for f in s["files"]:

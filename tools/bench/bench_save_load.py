@@ -1,6 +1,6 @@
 """Benchmark torch.save / torch.load through ckptfs against tmpfs and local disk.
 
-    python -m ckptfs.tools.bench [--size-gib 2] [--runs 3] [--workdir DIR]
+    python -m ckptfs.tools.bench.bench_save_load [--size-gib 2] [--runs 3] [--workdir DIR]
 
 Mounts ckptfs itself through the CLI (backing directory on local disk under
 --workdir, RAM cache in /dev/shm), builds a GPT-like state dict of about
@@ -393,7 +393,7 @@ def context(
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m ckptfs.tools.bench", description=__doc__.splitlines()[0]
+        prog="python -m ckptfs.tools.bench.bench_save_load", description=__doc__.splitlines()[0]
     )
     p.add_argument("--size-gib", type=float, default=2.0, help="state dict size (default 2)")
     p.add_argument("--runs", type=int, default=3, help="measured runs (default 3)")
@@ -465,7 +465,7 @@ def benchmark(args: argparse.Namespace, layout: Layout) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_mounted("bench", parse_args(argv), benchmark)
+    return run_mounted("bench_save_load", parse_args(argv), benchmark)
 
 
 if __name__ == "__main__":

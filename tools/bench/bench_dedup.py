@@ -1,6 +1,6 @@
 """Benchmark model-aware deduplication: bytes stored per checkpoint, and hashing speed.
 
-    python -m ckptfs.tools.bench_dedup [--size-gib 1] [--checkpoints 3] [--workdir DIR]
+    python -m ckptfs.tools.bench.bench_dedup [--size-gib 1] [--checkpoints 3] [--workdir DIR]
 
 Mounts ckptfs through the CLI (backing directory on local disk under --workdir,
 RAM cache in /dev/shm) and plays a fine-tuning job that freezes ~90% of a
@@ -703,7 +703,7 @@ def context_lines(
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m ckptfs.tools.bench_dedup", description=__doc__.splitlines()[0]
+        prog="python -m ckptfs.tools.bench.bench_dedup", description=__doc__.splitlines()[0]
     )
     p.add_argument("--size-gib", type=float, default=1.0, help="state dict size (default 1)")
     p.add_argument("--checkpoints", type=int, default=3, help="checkpoints saved (default 3)")

@@ -1,10 +1,10 @@
-"""What the benchmark scripts (bench, bench_dedup, bench_fuse) share; not a public API.
+"""What the benchmark scripts of this package share; not a public API.
 
 - memory: /proc/meminfo, and touching and freeing anonymous memory right before a
   timed step, so that on a VM the step draws on pages the host has backed already;
 - tables: the plain-text and markdown tables the reports print;
 - mounts: ``is_mounted`` and a lazy ``fusermount3 -u -z`` that never raises;
-- the ckptfs harness of bench and bench_dedup: the work directory layout, the
+- the ckptfs harness of bench_save_load and bench_dedup: the work directory layout, the
   ``ckptfs`` CLI (mount, stat, unmount), waiting for durable, cleanup, the GPT-like
   state dict they save, and the ``main()`` that runs it all and cleans up.
 
@@ -233,7 +233,7 @@ def detach(mountpoint: Path, prog: str = "") -> None:
         print(f"{prog + ': ' if prog else ''}warning: fusermount3 -u -z: {exc}", file=sys.stderr)
 
 
-# ----- the ckptfs harness (bench, bench_dedup) ----------------------------------------------
+# ----- the ckptfs harness (bench_save_load, bench_dedup) ------------------------------------
 
 
 @dataclass
@@ -279,7 +279,13 @@ def make_layout(workdir: Path) -> Layout:
 
 
 def cli_env(layout: Layout) -> dict[str, str]:
-    return {**os.environ, "CKPTFS_RUN_DIR": str(layout.run_dir)}
+    """The environment of every `ckptfs` command: this benchmark's own run and cache
+    directories, so that it never finds, or disturbs, another mount's."""
+    return {
+        **os.environ,
+        "CKPTFS_RUN_DIR": str(layout.run_dir),
+        "CKPTFS_CACHE_DIR": str(layout.cache),
+    }
 
 
 def ckptfs(layout: Layout, *args: str, timeout: float = CLI_TIMEOUT) -> str:
@@ -425,7 +431,7 @@ def run_mounted(
             cleanup(layout, args.keep)
 
 
-# ----- the state dict (bench, bench_dedup) --------------------------------------------------
+# ----- the state dict (bench_save_load, bench_dedup) ----------------------------------------
 
 
 def gpt_width(size: int) -> int:

@@ -1,6 +1,6 @@
 """Where the time of a FUSE write goes: a pyfuse3 write microbenchmark, without ckptfs.
 
-    python -m ckptfs.tools.bench_fuse [--size-mib 1024] [--runs 3]
+    python -m ckptfs.tools.bench.bench_fuse [--size-mib 1024] [--runs 3]
 
 Mounts a tiny pyfuse3 filesystem of its own (one directory of files, in a
 subprocess) with one of these write handlers:
@@ -68,6 +68,7 @@ from .benchlib import (
     table_lines,
 )
 
+MODULE = "ckptfs.tools.bench.bench_fuse"  # run again as the daemon and the writer
 HANDLERS = ("noop", "copy-inline", "copy-thread")
 MOUNT_TIMEOUT = 120.0
 CHILD_EXIT_TIMEOUT = 15.0
@@ -499,7 +500,7 @@ class Driver:
             print(f"bench_fuse: warning: left {self.mountpoint}: {exc}", file=sys.stderr)
 
     def run_writer(self, path: Path, daemon_pid: int | None) -> dict[str, Any]:
-        cmd = [sys.executable, "-m", "ckptfs.tools.bench_fuse", "_write", str(path)]
+        cmd = [sys.executable, "-m", MODULE, "_write", str(path)]
         cmd += [str(self.size)] + ([str(daemon_pid)] if daemon_pid else [])
         try:
             done = subprocess.run(
@@ -541,7 +542,7 @@ class Driver:
         stats = self.workdir / f"stats-{variant.slug}-{index}.json"
         backing = self.workdir / f"backing-{variant.slug}-{index}"
         log = self.workdir / f"daemon-{variant.slug}-{index}.log"
-        cmd = [sys.executable, "-m", "ckptfs.tools.bench_fuse", "_serve", str(self.mountpoint)]
+        cmd = [sys.executable, "-m", MODULE, "_serve", str(self.mountpoint)]
         cmd += ["--handler", variant.handler, "--writeback", "on" if variant.writeback else "off"]
         cmd += ["--backing-file", str(backing), "--capacity", str(self.size)]
         cmd += ["--stats-file", str(stats)]
@@ -797,9 +798,7 @@ def read_text(path: str) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m ckptfs.tools.bench_fuse", description=__doc__.splitlines()[0]
-    )
+    p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
     p.add_argument("--size-mib", type=int, default=1024, help="bytes per write test (default 1024)")
     p.add_argument("--runs", type=int, default=3, help="measured runs per variant (default 3)")
     p.add_argument(

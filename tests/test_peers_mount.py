@@ -1,0 +1,110 @@
+"""Two daemons on this machine form a cluster: config validated at mount,
+authenticated heartbeats, peers in `ckptfs stat`, a dead node noticed."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+from conftest import Mount, wait_for
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cluster_config(tmp_path: Path, ports: dict[str, int], **extra: str) -> Path:
+    secret = tmp_path / "secret"
+    if not secret.exists():
+        secret.write_text("correct horse battery staple 0123456789\n")
+        secret.chmod(0o600)
+    nodes = ", ".join(f"{name}: 127.0.0.1:{port}" for name, port in ports.items())
+    lines = [
+        "peers:",
+        f"  secret_file: {secret}",
+        f"  nodes: {{{nodes}}}",
+        "  timeout: 1.5",
+        "  heartbeat: 0.2",
+        *(f"  {key}: {value}" for key, value in extra.items()),
+    ]
+    path = tmp_path / f"cluster-{len(list(tmp_path.glob('cluster-*')))}.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def peers_of(m: Mount) -> dict[str, dict]:
+    return {p["name"]: p for p in m.stat()["peers"]}
+
+
+def test_two_nodes_see_each_other_and_notice_a_death(mounts, tmp_path):
+    ports = {"n1": free_port(), "n2": free_port()}
+    config = cluster_config(tmp_path, ports)
+    n1, n2 = mounts("n1"), mounts("n2")
+    n1.mount("--config", str(config), "--node", "n1")
+    n2.mount("--config", str(config), "--node", "n2")
+    wait_for(lambda: peers_of(n1)["n2"]["alive"] and peers_of(n2)["n1"]["alive"], 20, "alive")
+    p = peers_of(n1)["n2"]
+    assert p["address"] == f"127.0.0.1:{ports['n2']}" and p["buddy"] is True
+    assert p["last_heartbeat_age"] is not None and p["last_heartbeat_age"] < 5
+    assert "peer:    n2 127.0.0.1" in n1.cli("stat", str(n1.mnt)).stdout
+    # The files still work as on one node (durability local: buddy is not built).
+    (n1.mnt / "x.bin").write_bytes(b"x" * 1000)
+    assert n1.stat()["durability"] == "local"
+
+    n2.kill()
+    # A node's death is for the operator to see.
+    n1.allowed_log += ["lost connection to peer 'n2'", "peer 'n2' at 127.0.0.1"]
+    wait_for(lambda: not peers_of(n1)["n2"]["alive"], 20, "n2 declared dead")
+    assert peers_of(n1)["n2"]["state"] == "dead"
+    assert "peer 'n2' at 127.0.0.1" in n1.log() and "is dead" in n1.log()
+    n1.umount()
+
+
+def test_a_node_with_another_node_list_is_refused(mounts, tmp_path):
+    ports = {"n1": free_port(), "n2": free_port()}
+    n1, n2 = mounts("n1"), mounts("n2")
+    n1.mount("--config", str(cluster_config(tmp_path, ports)), "--node", "n1")
+    # n2 believes in a third node: its cluster hash differs.
+    other = cluster_config(tmp_path, {**ports, "n3": free_port()})
+    n2.mount("--config", str(other), "--node", "n2")
+    for m in (n1, n2):
+        m.allowed_log += ["cluster hash mismatch", "refus", "is dead", "lost connection"]
+    wait_for(lambda: "mismatch" in n1.log() and "mismatch" in n2.log(), 20, "refusals logged")
+    assert not peers_of(n1)["n2"]["alive"] and not peers_of(n2)["n1"]["alive"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "key", "message"),
+    [
+        ({"buddies": "{n1: n9}"}, "peers.buddies", "n9"),
+        ({"listen": "nonsense"}, "peers.listen", "host:port"),
+    ],
+)
+def test_bad_peer_config_fails_the_mount_naming_the_key(mounts, tmp_path, extra, key, message):
+    m = mounts()
+    config = cluster_config(tmp_path, {"n1": free_port(), "n2": free_port()}, **extra)
+    proc = m.cli("mount", str(m.mnt), "--backing", str(m.backing), "--config", str(config),
+                 "--node", "n1", check=False)  # fmt: skip
+    assert proc.returncode == 1
+    line = proc.stderr.strip()
+    assert line.startswith("ckptfs: error:") and key in line and message in line, line
+    assert len(line.splitlines()) == 1
+
+
+def test_mount_refuses_a_node_missing_from_nodes_and_an_open_secret(mounts, tmp_path):
+    m = mounts()
+    config = cluster_config(tmp_path, {"n1": free_port(), "n2": free_port()})
+    proc = m.cli("mount", str(m.mnt), "--backing", str(m.backing), "--config", str(config),
+                 "--node", "n7", check=False)  # fmt: skip
+    assert proc.returncode == 1 and "n7" in proc.stderr and "node" in proc.stderr
+    (tmp_path / "secret").chmod(0o644)
+    proc = m.cli("mount", str(m.mnt), "--backing", str(m.backing), "--config", str(config),
+                 "--node", "n1", check=False)  # fmt: skip
+    assert proc.returncode == 1 and "peers.secret_file" in proc.stderr, proc.stderr
+    (tmp_path / "secret").chmod(0o600)
+    proc = m.cli("mount", str(m.mnt), "--backing", str(m.backing), "--config", str(config),
+                 "--node", "n1", "--durability", "buddy", check=False)  # fmt: skip
+    assert proc.returncode == 1 and "not built yet" in proc.stderr, proc.stderr

@@ -1,0 +1,25 @@
+"""Benchmarks: scripts that print measured numbers (none asserts a threshold).
+
+Each mounts what it measures itself and always unmounts it; run one with
+``python -m ckptfs.tools.bench.<name>`` (``--help`` lists its options):
+
+- ``bench_save_load``: torch.save and torch.load of a GPT-like state dict
+  through ckptfs, against tmpfs and local disk + fsync; close -> durable time.
+  ``python -m ckptfs.tools.bench.bench_save_load [--size-gib 2] [--runs 3]``
+- ``bench_restore``: restore through ckptfs against plain disk and tmpfs: cold
+  torch.load, reads of cached and evicted files, many readers at once.
+  ``python -m ckptfs.tools.bench.bench_restore [--size-gib 2] [--runs 3]``
+- ``bench_dedup``: bytes stored per checkpoint of a fine-tuning job that
+  freezes most of the model, and whether hashing keeps up with the flusher.
+  ``python -m ckptfs.tools.bench.bench_dedup [--size-gib 1] [--checkpoints 3]``
+- ``bench_fuse``: where the time of a FUSE write goes, on a tiny pyfuse3
+  filesystem of its own (no ckptfs).
+  ``python -m ckptfs.tools.bench.bench_fuse [--size-mib 1024] [--runs 3]``
+- ``bench_meta``: latency of stat, open, create, rename and unlink through
+  ckptfs against a plain directory, and the mmap reopen window of
+  ``torch.load(mmap=True)``.
+  ``python -m ckptfs.tools.bench.bench_meta [--ops 300] [--rounds 5]``
+
+``benchlib`` is what they share (memory warm-up, tables, mounting through the
+CLI, cleanup); it is not a public API.
+"""

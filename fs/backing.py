@@ -21,6 +21,7 @@ from .chunkstore import CKPTFS_DIR
 from .manifest import (
     Manifest,
     ManifestError,
+    ParsedManifests,
     is_tmp_name,
     open_dir,
     read_manifest,
@@ -48,6 +49,9 @@ def hidden(rel_dir: str, name: str) -> bool:
     return (rel_dir == "" and name == CKPTFS_DIR) or is_tmp_name(name)
 
 
+PARSED = ParsedManifests()
+
+
 def _entry_at(root: int, rel: str) -> Entry:
     st = os.stat(rel or ".", dir_fd=root, follow_symlinks=False)
     if stat.S_ISDIR(st.st_mode):
@@ -55,10 +59,23 @@ def _entry_at(root: int, rel: str) -> Entry:
     if stat.S_ISLNK(st.st_mode):
         return Entry("symlink", st)
     if stat.S_ISREG(st.st_mode):
+        # Opened every time (on NFS the open is what revalidates); read and
+        # parsed only when the manifest file is not the one seen before.
         try:
-            manifest = read_manifest(rel, dir_fd=root)
+            fd = os.open(
+                rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=root
+            )
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # replaced by a symlink since the stat
+                return Entry("symlink", os.stat(rel, dir_fd=root, follow_symlinks=False))
+            raise
+        try:
+            st = os.fstat(fd)
+            manifest = PARSED.read(fd, rel)
         except ManifestError as exc:
             raise OSError(errno.EIO, f"unreadable manifest: {exc}") from None
+        finally:
+            os.close(fd)
         return Entry("file", st, manifest) if manifest else Entry("plain", st)
     return Entry("plain", st)
 

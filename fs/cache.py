@@ -25,7 +25,7 @@ import errno
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import trio
@@ -33,14 +33,20 @@ import trio
 from .arena import Arena
 from .blocking import BackingIO, Call, on_loop_later, run_cpu
 from .cachedfile import CachedFile, ChunkMap, Page, Snapshot
-from .chunkstore import ChunkCorrupt, ChunkStore, chunk_hash
+from .chunkstore import ChunkStore, chunk_hash
 from .frames import FrameCache
 from .journal import Journal, chunks_of
 from .manifest import Chunk, Manifest
+from .readahead import ReadAhead
+from .readsource import RangeReader
 from .state import FileRole, FileState, PageState
 
 log = logging.getLogger("ckptfs.cache")
+
+# (holders, file_id, version, offset, length) -> verified bytes; OSError if none serves.
+PeerFetch = Callable[[list[str], str, str, int, int], Awaitable[bytes]]
 MAX_IDLE_FILES = 4096
+PRUNE_SLACK = 1024
 # The largest file ckptfs accepts (16 TiB): larger sizes and offsets get EFBIG.
 # Memory does not depend on it (page tables are sparse); it bounds what a
 # hostile or mistaken truncate can ask of the chunk list and the store.
@@ -74,6 +80,14 @@ class Cache:
         self.node = node
         self.page_size = arena.slot_size
         self.frames = FrameCache(arena, store, io)
+        # Set when this node has peers: reads of files pending elsewhere.
+        self.peer_fetch: PeerFetch | None = None
+        # Every read resolves its range through the reader (fs/readsource.py);
+        # sequential readers make the read-ahead fetch the next chunks early.
+        self.reader = RangeReader(arena, self.frames, self.try_alloc)
+        self.readahead = ReadAhead(
+            self.frames, self.try_alloc, arena.capacity, busy=lambda: self.waiting_writers > 0
+        )
         # The current content of every file id this node knows of.
         self.files: dict[str, CachedFile] = {}
         # Content that no name refers to any more but is still held: open
@@ -81,7 +95,7 @@ class Cache:
         # rewritten that still owes the backing store (a fork, see truncate).
         self.retired: set[CachedFile] = set()
         # Set by the filesystem: whether an inode still points at a file.
-        self.referenced: Callable[[CachedFile], bool] = lambda f: False
+        self.unreference: Callable[[CachedFile], None] = lambda f: None
         # Set by the daemon: a LOCAL file became PENDING and needs flushing.
         self.on_pending: Callable[[CachedFile], None] = lambda f: None
         self.hash_limiter = trio.CapacityLimiter(hash_threads)
@@ -114,6 +128,23 @@ class Cache:
         self._register(f)
         return f
 
+    def _fetchable(self, m: Manifest) -> bool:
+        return self.peer_fetch is not None and any(h != self.node for h in m.holders)
+
+    def held_version(self, file_id: str, version: str) -> CachedFile | None:
+        """The content of exactly that published version, if this node holds it
+        (for a peer's read): never a version being changed here."""
+        for f in [self.files.get(file_id), *self.retired]:
+            if (
+                f is not None
+                and f.file_id == file_id
+                and f.version == version
+                and f.role is not FileRole.REMOTE
+                and f.state in (FileState.PENDING, FileState.DURABLE)
+            ):
+                return f
+        return None
+
     def _register(self, f: CachedFile) -> None:
         old = self.files.get(f.file_id)
         if old is not None and old is not f:
@@ -124,6 +155,15 @@ class Cache:
         """The cached file for the manifest at ``path`` (close-to-open: the
         manifest wins unless our copy is newer than what it names)."""
         f = self.files.get(m.file_id)
+        if (
+            f is not None
+            and f.state is FileState.LOST
+            and f.role is FileRole.REMOTE
+            and f.version == m.version
+            and self._fetchable(m)
+        ):
+            # Its holders may be back (or it was a passing failure): try them again.
+            f.state, f.lost_reason = FileState.PENDING, ""
         if f is not None and (f.modified or (f.version == m.version and not f.unlinked)):
             f.path = path
             if not f.modified:
@@ -140,9 +180,11 @@ class Cache:
         if m.state == "durable":
             nf.state = FileState.DURABLE
             nf.base = ChunkMap.of(m.chunks, m.size)
+        elif self._fetchable(m):
+            # Pending elsewhere: its holders serve its bytes (peer reads).
+            nf.role, nf.state = FileRole.REMOTE, FileState.PENDING
         else:
-            # Pending elsewhere: only its holders have the bytes. (Reading them
-            # from a holder is the multi-node part; until then it is lost here.)
+            # Pending elsewhere, and no peer of ours holds it: lost here.
             nf.role = FileRole.REMOTE
             holders = ", ".join(m.holders) or "none"
             nf.state = FileState.LOST
@@ -191,22 +233,24 @@ class Cache:
 
     def prune(self) -> int:
         """Forget the oldest idle entries beyond MAX_IDLE_FILES: durable, no RAM,
-        not open and not behind an inode the kernel holds. They are only
-        metadata (rebuilt from the manifest on the next open), but a long job
-        would otherwise accumulate one per checkpoint file forever."""
+        not open. They are only metadata, rebuilt from the manifest on the
+        next open; an inode the kernel still holds lets go of its file
+        (``unreference``). Without this the daemon's heap grew with every file
+        ever written: a job writing 100,000 small files, or a long job one per
+        checkpoint file forever."""
+        if len(self.files) <= MAX_IDLE_FILES + PRUNE_SLACK:
+            return 0  # amortized: a sort only every PRUNE_SLACK new files
         idle = [
             f
             for f in self.files.values()
-            if f.state is FileState.DURABLE
-            and not f.handles
-            and not f.ram_count
-            and not self.referenced(f)
+            if f.state is FileState.DURABLE and not f.handles and not f.ram_count
         ]
         excess = len(idle) - MAX_IDLE_FILES
         if excess <= 0:
             return 0
         for f in sorted(idle, key=lambda f: f.last_access)[:excess]:
             del self.files[f.file_id]
+            self.unreference(f)
         return excess
 
     # ----- state transitions -------------------------------------------------
@@ -391,6 +435,7 @@ class Cache:
         if f in self.retired:
             self.drop(f)  # a fork: durable now, and no name shows this content any more
         self._signal_space()
+        self.prune()
         return True
 
     def journal_snapshot(self, f: CachedFile) -> Snapshot:
@@ -546,45 +591,33 @@ class Cache:
             raise FileLost(f"{f.path}: bytes lost ({f.lost_reason or 'no holder'})")
         self._touch(f)
         end = min(off + size, f.size)
-        parts: list[bytes] = []
-        pos = off
-        ps = self.page_size
-        while pos < end:
-            p, o = divmod(pos, ps)
-            stop = min((p + 1) * ps, end)
-            page = f.pages.get(p)
-            if page is not None and page.in_ram:
-                parts.append(self._ram_bytes(page, o, stop - pos))
-            else:
-                parts.append(await self._assemble(f, pos, stop))
-            pos = stop
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        if end <= off:
+            return b""
+        if f.role is FileRole.REMOTE and f.state is FileState.PENDING:
+            return await self._read_remote(f, off, end)
+        # Before this read waits for its own chunk, so the next ones overlap it.
+        self.readahead.observe(f, off, end)
+        return await self.reader.read(f, off, end)
 
-    def _ram_bytes(self, page: Page, o: int, n: int) -> bytes:
-        valid = max(0, min(n, page.fill - o))
-        data = self.arena.read(page.slot, o, valid) if valid else b""
-        return data + bytes(n - valid) if valid < n else data
-
-    async def _assemble(self, f: CachedFile, start: int, end: int) -> bytes:
-        """Bytes [start, end) of one page that is not in RAM, from its chunks."""
-        parts = []
-        for off, length, chunk in f.sources(start, end):
-            if chunk is None:
-                parts.append(bytes(length))
-            else:
-                parts.append(await self.chunk_bytes(chunk, off - chunk.offset, length, f.path))
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+    async def _read_remote(self, f: CachedFile, off: int, end: int) -> bytes:
+        """Bytes of a file pending on other nodes, from a holder (verified there
+        and here by hash). When no holder serves them the file is LOST here:
+        EIO with the reason, until its manifest changes or a holder is back."""
+        assert self.peer_fetch is not None
+        version = f.version
+        try:
+            return await self.peer_fetch(list(f.holders), f.file_id, version, off, end - off)
+        except OSError as exc:
+            if f.state is FileState.PENDING and f.role is FileRole.REMOTE and f.version == version:
+                f.state = FileState.LOST
+                f.lost_reason = f"not durable yet and no holder served it: {exc}"
+                self._notify(f)
+                log.error("%s is lost here: %s", f.path, f.lost_reason)
+            raise FileLost(f"{f.path}: {exc}") from None
 
     async def chunk_bytes(self, chunk: Chunk, start: int, count: int, what: str) -> bytes:
         """Verified bytes of a stored chunk, through a frame when there is room."""
-        try:
-            frame = await self.frames.acquire(chunk, what, self.try_alloc)
-            if frame is None:
-                return await self.frames.read_range(chunk, start, count, what)
-        except ChunkCorrupt as exc:
-            log.error("read of %s failed: %s", what, exc)
-            raise
-        return self.frames.copy(frame, start, count)
+        return await self.reader.chunk_bytes(chunk, start, count, what)
 
     # ----- writing --------------------------------------------------------------
     async def write(self, f: CachedFile, off: int, data: bytes) -> int:
@@ -644,7 +677,7 @@ class Cache:
         fill = 0
         if existing and not (o == 0 and n >= existing):
             try:
-                current = await self._assemble(f, pstart, pstart + existing)
+                current = await self.reader.read(f, pstart, pstart + existing)
             except BaseException:
                 self.arena.release(slot)
                 raise
@@ -755,7 +788,14 @@ class Cache:
             self._signal_space()
 
     async def run_spiller(self) -> None:
-        """Background task: whenever writers wait for memory, spill until they don't."""
+        """The cache's background task (Core starts it): spills whenever writers
+        wait for memory, and hosts the read-ahead's chunk reads."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.readahead.run)
+            await self._spill_when_needed()
+
+    async def _spill_when_needed(self) -> None:
+        """Whenever writers wait for memory, spill until they don't."""
         while True:
             await self.need_space.wait()
             self.need_space = trio.Event()
@@ -787,6 +827,6 @@ class Cache:
             "backpressure_seconds": round(self.backpressure_seconds, 3),
             "evicted_bytes": self.evicted_bytes,
             "spilled_bytes": self.spilled_bytes,
-            "chunk_reads": self.frames.reads,
-            "chunk_bytes_read": self.frames.bytes_read,
+            **self.frames.stats(),
+            "readahead": self.readahead.stats(),
         }

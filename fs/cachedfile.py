@@ -21,6 +21,7 @@ from typing import Any
 import trio
 
 from .manifest import Chunk
+from .readahead import ReadPattern
 from .state import FileRole, FileState, MirrorState, PageState, stat_state
 
 # A piece of a byte range: (file offset, length, chunk or None for zeros).
@@ -165,6 +166,8 @@ class CachedFile:
     # Timings of the checkpoint currently in flight, for the history.
     opened_at: float = field(default_factory=time.time)
     closed_at: float | None = None
+    # Where recent reads left off, to detect sequential readers (fs/readahead.py).
+    read_pattern: ReadPattern = field(default_factory=ReadPattern)
 
     @property
     def unlinked(self) -> bool:
@@ -195,7 +198,7 @@ class CachedFile:
         return {
             "path": self.path,
             "size": self.size,
-            "state": stat_state(self.state, self.flushing is not None, self.mirror),
+            "state": stat_state(self.state, self.flushing is not None, self.mirror, self.role),
             "version": self.version,
             "role": self.role.value,
             "mirror": self.mirror.value,

@@ -8,6 +8,7 @@ against the chunk's name; a mismatch raises :class:`ChunkCorrupt`.
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 from collections.abc import Sequence
@@ -18,6 +19,9 @@ import xxhash
 CKPTFS_DIR = ".ckptfs"
 Buffer = bytes | bytearray | memoryview
 STREAM_PIECE = 1 << 20  # bounce buffer of a streamed (verified range) read
+# O_DIRECT reads need file offsets, lengths and buffers aligned to the device's
+# block size; a page is a multiple of every block size in use.
+DIRECT_ALIGN = 4096
 
 
 class ChunkCorrupt(OSError):
@@ -43,6 +47,8 @@ class ChunkStore:
     def __init__(self, backing: Path) -> None:
         self.backing = Path(backing)
         self.root = self.backing / CKPTFS_DIR / "chunks"
+        # Cleared the first time the filesystem refuses O_DIRECT (EINVAL).
+        self.direct_ok = True
 
     def path_for(self, digest: str) -> Path:
         return self.root / digest[:2] / digest[2:4] / digest
@@ -107,19 +113,28 @@ class ChunkStore:
     def _label(self, digest: str, what: str) -> str:
         return f"chunk {digest}" + (f" of {what}" if what else "")
 
-    def _open(self, digest: str, what: str) -> int:
+    def _open(self, digest: str, what: str, flags: int = 0) -> int:
         try:
-            return os.open(self.path_for(digest), os.O_RDONLY | os.O_CLOEXEC)
+            return os.open(self.path_for(digest), os.O_RDONLY | os.O_CLOEXEC | flags)
         except FileNotFoundError:
             raise ChunkCorrupt(
                 f"{self._label(digest, what)} is missing from {self.path_for(digest)}"
             ) from None
 
     def _check_end(
-        self, fd: int, pos: int, h: xxhash.xxh3_128, digest: str, length: int, what: str
+        self,
+        fd: int,
+        pos: int,
+        h: xxhash.xxh3_128,
+        digest: str,
+        length: int,
+        what: str,
+        *,
+        probe: bool = True,
     ) -> None:
-        """After reading ``length`` bytes: nothing more in the file, and the hash matches."""
-        if os.pread(fd, 1, pos):
+        """After reading ``length`` bytes: nothing more in the file (``probe``
+        reads one more byte to see), and the hash matches."""
+        if probe and os.pread(fd, 1, pos):
             raise ChunkCorrupt(
                 f"{self._label(digest, what)} is longer than the expected {length} bytes"
             )
@@ -136,29 +151,66 @@ class ChunkStore:
         return bytes(buf)
 
     def read_into(
-        self, digest: str, length: int, targets: Sequence[memoryview], *, what: str = ""
+        self,
+        digest: str,
+        length: int,
+        targets: Sequence[memoryview],
+        *,
+        what: str = "",
+        direct: bool = False,
     ) -> None:
         """Read a chunk straight into ``targets`` (consecutive pieces), verified.
 
-        The targets hold the chunk's bytes in order and add up to ``length``.
-        On any error their contents are unspecified and must not be used.
+        The targets hold the chunk's bytes in order from the start of the
+        first; together they are at least ``length`` long (bytes past it are
+        unspecified). On any error their contents are unspecified and must not
+        be used.
+
+        ``direct`` (the caller's promise: the targets start page-aligned and
+        have room for ``length`` rounded up to DIRECT_ALIGN) reads with
+        O_DIRECT, from the disk into the targets without a second copy in the
+        kernel's page cache: that copy costs about 0.4 s of CPU per GiB here,
+        and the pages it fills are memory the caller holds already. Where the
+        filesystem refuses O_DIRECT, the read is buffered.
         """
-        fd = self._open(digest, what)
+        if direct and self.direct_ok:
+            try:
+                self._read_into(digest, length, targets, what, os.O_DIRECT)
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.direct_ok = False  # not on this filesystem: buffered from now on
+        self._read_into(digest, length, targets, what, 0)
+
+    def _read_into(
+        self, digest: str, length: int, targets: Sequence[memoryview], what: str, flags: int
+    ) -> None:
+        want = -(-length // DIRECT_ALIGN) * DIRECT_ALIGN if flags else length
+        views = _first_bytes(targets, want)
+        fd = self._open(digest, what, flags)
         try:
-            h = xxhash.xxh3_128()
+            # One request for the whole chunk, not one per target: the device
+            # sees large reads, and a short read only happens at the end.
             pos = 0
-            for target in targets:
-                got = 0
-                while got < len(target):
-                    n = os.preadv(fd, [target[got:]], pos + got)
-                    if n == 0:
-                        raise ChunkCorrupt(
-                            f"{self._label(digest, what)} has {pos + got} bytes, expected {length}"
-                        )
-                    got += n
-                h.update(target)
-                pos += got
-            self._check_end(fd, pos, h, digest, length, what)
+            while views:
+                n = os.preadv(fd, views, pos)
+                if n == 0:
+                    break
+                pos += n
+                views = _skip(views, n)
+            if pos < length:
+                raise ChunkCorrupt(
+                    f"{self._label(digest, what)} has {pos} bytes, expected {length}"
+                )
+            h = xxhash.xxh3_128()
+            for view in _first_bytes(targets, length):
+                h.update(view)
+            if pos > length or (flags and os.fstat(fd).st_size != length):
+                raise ChunkCorrupt(
+                    f"{self._label(digest, what)} is longer than the expected {length} bytes"
+                )
+            self._check_end(fd, pos, h, digest, length, what, probe=not flags)
         finally:
             os.close(fd)
 
@@ -194,3 +246,25 @@ class ChunkStore:
         finally:
             os.close(fd)
         return bytes(out)
+
+
+def _first_bytes(targets: Sequence[memoryview], count: int) -> list[memoryview]:
+    """The targets cut to their first ``count`` bytes together."""
+    views = []
+    for target in targets:
+        if count <= 0:
+            break
+        view = memoryview(target).cast("B")
+        views.append(view[:count])
+        count -= len(views[-1])
+    return views
+
+
+def _skip(views: list[memoryview], n: int) -> list[memoryview]:
+    """``views`` without their first ``n`` bytes."""
+    while views and n >= len(views[0]):
+        n -= len(views[0])
+        views = views[1:]
+    if views and n:
+        views = [views[0][n:], *views[1:]]
+    return views

@@ -89,6 +89,15 @@ class Core:
         if prefault and self.config.cache_prefault:
             nursery.start_soon(self._prefault)
 
+    async def serve_peer_read(
+        self, file_id: str, version: str, offset: int, length: int
+    ) -> bytes | None:
+        """A range of exactly that version, for a peer; None if not held here."""
+        f = self.cache.held_version(file_id, version)
+        if f is None:
+            return None
+        return await self.cache.read(f, offset, length)
+
     def close(self) -> None:
         self.fs.close_all()
         self.arena.close()

@@ -44,7 +44,13 @@ class Daemon:
         self.owners = {os.stat(mountpoint).st_uid, os.geteuid()}
         self.sock_path, self.pid_path, _ = run_files(config.run_dir, mountpoint)
         self.core = Core(config, config.cache_dir / mount_id(mountpoint))
-        self.peer = PeerNode(config.peers_config) if config.peers_config else None
+        self.peer = (
+            PeerNode(config.peers_config, self.core.serve_peer_read)
+            if config.peers_config
+            else None
+        )
+        if self.peer is not None:
+            self.core.cache.peer_fetch = self.peer.fetch
         self.started = time.time()
         self._terminating = False
 
@@ -165,6 +171,7 @@ class Daemon:
                 if f.state is FileState.LOST
             ],
             "peers": self.peer.stats() if self.peer else [],
+            "peer_reads": self.peer.counters() if self.peer else {},
             "history": list(core.history.recent),
         }
 

@@ -37,7 +37,7 @@ from .inodes import ROOT, Inode, InodeTable
 from .journal import record_of
 from .manifest import Manifest, new_id
 from .nslock import NamespaceLock
-from .state import FileState, Published
+from .state import FileRole, FileState, Published
 
 log = logging.getLogger("ckptfs.fs")
 PRIVILEGE_BITS = stat.S_ISUID | stat.S_ISGID
@@ -123,7 +123,7 @@ class FileSystem:
         self._fh = itertools.count(1)
         self.ns_lock = NamespaceLock()  # path-dependent backing updates (rename vs. publish)
         self._retry: set[CachedFile] = set()  # commits that failed; retried in the background
-        cache.referenced = self._referenced
+        cache.unreference = self._unreference
 
     # ----- attributes -------------------------------------------------------
     def _attr(self, inode: Inode, entry: Entry | None) -> Attr:
@@ -214,9 +214,11 @@ class FileSystem:
             raise FsError(errno.ENOENT, f"unknown inode {ino}")
         return inode
 
-    def _referenced(self, f: CachedFile) -> bool:
+    def _unreference(self, f: CachedFile) -> None:
+        """The cache forgot ``f``: the next open reloads it from its manifest."""
         inode = self.inodes.get(f.ino) if f.ino is not None else None
-        return inode is not None and inode.file is f
+        if inode is not None and inode.file is f:
+            inode.file = None
 
     def forget(self, ino: int, count: int) -> None:
         self.inodes.forget(ino, count)
@@ -404,6 +406,13 @@ class FileSystem:
         if writable and f.state is FileState.LOST and not truncate:
             raise FsError(
                 errno.EIO, f"{f.path}: its bytes are lost; only O_TRUNC may rewrite it", True
+            )
+        if writable and f.role is FileRole.REMOTE and not truncate:
+            # Its bytes are on its holders: a partial write here would start
+            # from nothing. A full rewrite (the next torch.save) is fine.
+            raise FsError(
+                errno.EBUSY,
+                f"{f.path}: being flushed by {', '.join(f.holders)}; only O_TRUNC may rewrite it",
             )
         fh = self._open_handle(inode, f, writable, caller)
         try:
@@ -670,6 +679,8 @@ class FileSystem:
         if change.size is not None and change.size != f.size:
             if f.state is FileState.LOST and change.size:
                 raise FsError(errno.EIO, f"{f.path}: its bytes are lost; truncate it to 0", True)
+            if f.role is FileRole.REMOTE and change.size:
+                raise FsError(errno.EBUSY, f"{f.path}: pending on another node; truncate it to 0")
             if caller.uid != 0 and kills_privileges(f.mode):
                 f.mode = without_privileges(f.mode)
             await self.cache.truncate(f, change.size)

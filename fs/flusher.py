@@ -274,6 +274,14 @@ class Flusher:
             log.info("%s no longer names this file; not making it durable", snap.file.path)
             self.cache.unlink(snap.file)
             return
+        if result is Published.STALE and self._unchanged(snap):
+            # Nothing changed here, yet the backing store names another version:
+            # another node rewrote the file. Ours is obsolete; publishing it
+            # would put an older version over a newer one, and keeping it
+            # pending would leave a flush owed for ever.
+            log.info("%s was rewritten elsewhere; this version is dropped, not flushed", what)
+            self.cache.unlink(snap.file)
+            return
         if result is not Published.DONE:
             log.info("%s changed while it was flushed; its next commit flushes it", what)
             return

@@ -7,6 +7,14 @@ and one copy in RAM; they are clean and are evicted least-recently-used when
 memory is needed. A worker thread reads the chunk file straight into the
 slots and hashes it there, so the bytes served are the bytes verified.
 
+A frame is reserved (slots taken, registered as LOADING) before it is
+filled, so a reader and the read-ahead (fs/readahead.py) that want the same
+chunk find each other: whoever comes second waits for the first fill, and a
+reader that finds a read-ahead frame still queued fills it itself rather than
+wait behind the queue. A fill that fails removes the frame: the readers that
+waited for it get the error (EIO, never the bytes), and a later reader tries
+the store again.
+
 A reader never waits for memory: if no slot can be freed for a frame, the
 reader gets None and reads its range through a bounded bounce buffer instead
 (still verified, see ChunkStore.read_range).
@@ -14,6 +22,7 @@ reader gets None and reads its range through a bounded bounce buffer instead
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from collections import OrderedDict
@@ -25,14 +34,14 @@ import trio
 
 from .arena import Arena
 from .blocking import BackingIO, Call, on_loop_later
-from .chunkstore import ChunkCorrupt, ChunkStore
+from .chunkstore import DIRECT_ALIGN, ChunkCorrupt, ChunkStore
 from .manifest import Chunk
 
 log = logging.getLogger("ckptfs.frames")
 
 
 class FrameState(Enum):
-    LOADING = "loading"  # a thread is filling the slots; not readable yet
+    LOADING = "loading"  # reserved; a thread is filling the slots, or will: not readable yet
     READY = "ready"  # verified; readable until evicted
 
 
@@ -42,8 +51,19 @@ class Frame:
     slots: list[int]
     state: FrameState = FrameState.LOADING
     done: trio.Event = field(default_factory=trio.Event)
-    error: str = ""
+    started: bool = False  # a fill is running (only one ever does)
+    failure: BaseException | None = None
+    prefetched: bool = False  # reserved by the read-ahead
+    unread: bool = False  # reserved by the read-ahead, no reader yet: counted in unread_bytes
     last_access: float = field(default_factory=time.monotonic)
+
+
+def shared_error(exc: BaseException) -> OSError:
+    """The error a waiter of a failed fill gets: its own exception object, so
+    that tracebacks of different tasks do not pile onto one."""
+    if isinstance(exc, ChunkCorrupt):
+        return ChunkCorrupt(str(exc))
+    return OSError(errno.EIO, str(exc) or type(exc).__name__)
 
 
 class FrameCache:
@@ -56,6 +76,14 @@ class FrameCache:
         self.reads = 0  # chunk reads from the backing store (frames and streamed ranges)
         self.bytes_read = 0
         self.streamed = 0  # reads that found no room and used the bounce buffer
+        self.failed = 0  # fills that failed (corrupt, missing, backing store error)
+        self.waits = 0  # a reader waited for a fill another task had started
+        # Read-ahead accounting: frames it reserved that no reader has used yet
+        # (bounded by the read-ahead), used before eviction, or evicted unused.
+        self.unread_bytes = 0
+        self.prefetch_used = 0
+        self.prefetch_wasted = 0
+        self.prefetch_taken = 0  # a reader filled a read-ahead frame still queued
 
     @property
     def slots_held(self) -> int:
@@ -71,30 +99,60 @@ class FrameCache:
         """Drop a ready frame; returns slots freed."""
         if frame.state is not FrameState.READY or self.frames.get(frame.chunk.hash) is not frame:
             return 0
-        del self.frames[frame.chunk.hash]
-        for slot in frame.slots:
-            self.arena.release(slot)
+        if frame.unread:
+            self.prefetch_wasted += 1
+        self._forget(frame)
         return len(frame.slots)
 
-    async def acquire(
-        self, chunk: Chunk, what: str, alloc: Callable[[], int | None]
-    ) -> Frame | None:
-        """The ready frame of ``chunk``, reading it if needed; None if there is no room.
+    def _forget(self, frame: Frame) -> None:
+        """Unregister ``frame`` and give its slots back (deferred while a thread pins them)."""
+        if self.frames.get(frame.chunk.hash) is frame:
+            del self.frames[frame.chunk.hash]
+        self._settle(frame)
+        for slot in frame.slots:
+            self.arena.release(slot)
 
-        Concurrent requests for one chunk share one read. A failed read raises
-        ChunkCorrupt (or OSError) in every waiter.
+    def _settle(self, frame: Frame) -> None:
+        """``frame`` no longer counts as unused read-ahead."""
+        if frame.unread:
+            frame.unread = False
+            self.unread_bytes -= frame.chunk.length
+
+    def write_off(self, frame: Frame) -> None:
+        """A read-ahead frame no reader came for in time: it stays cached as
+        clean bytes, but no longer holds back further read-ahead."""
+        if frame.unread:
+            self.prefetch_wasted += 1
+            self._settle(frame)
+
+    # ----- reserving and filling --------------------------------------------------
+    def known(self, digest: str) -> bool:
+        return digest in self.frames
+
+    def ready(self, chunk: Chunk) -> Frame | None:
+        """The ready frame of ``chunk`` now, without waiting (marks it used)."""
+        frame = self.frames.get(chunk.hash)
+        if frame is None or frame.state is not FrameState.READY:
+            return None
+        self._use(frame)
+        return frame
+
+    def _use(self, frame: Frame) -> None:
+        frame.last_access = time.monotonic()
+        self.frames.move_to_end(frame.chunk.hash)
+        if frame.unread:
+            self.prefetch_used += 1
+            self._settle(frame)
+
+    def reserve(
+        self, chunk: Chunk, alloc: Callable[[], int | None], *, prefetch: bool = False
+    ) -> Frame | None:
+        """A new LOADING frame for ``chunk`` with its slots; None if there is no room.
+
+        The caller must then ``fill`` it (or ``cancel`` it). The chunk must
+        have no frame yet.
         """
-        while True:
-            frame = self.frames.get(chunk.hash)
-            if frame is None:
-                break
-            if frame.state is FrameState.READY:
-                frame.last_access = time.monotonic()
-                self.frames.move_to_end(chunk.hash)
-                return frame
-            await frame.done.wait()
-            if frame.error:
-                raise ChunkCorrupt(frame.error)
+        assert chunk.hash not in self.frames
         slots: list[int] = []
         for _ in range(-(-chunk.length // self.slot_size)):
             slot = alloc()
@@ -103,37 +161,88 @@ class FrameCache:
                     self.arena.release(s)
                 return None
             slots.append(slot)
-        frame = Frame(chunk, slots)
+        frame = Frame(chunk, slots, prefetched=prefetch, unread=prefetch)
         self.frames[chunk.hash] = frame
-        try:
-            await self._fill(frame, what)
-        except BaseException as exc:
-            frame.error = str(exc) or type(exc).__name__
-            if self.frames.get(chunk.hash) is frame:
-                del self.frames[chunk.hash]
-            for slot in slots:
-                self.arena.release(slot)
-            raise
-        finally:
-            frame.done.set()
-        frame.state = FrameState.READY
+        if prefetch:
+            self.unread_bytes += chunk.length
         return frame
 
-    async def _fill(self, frame: Frame, what: str) -> None:
+    def cancel(self, frame: Frame) -> None:
+        """Give up a reserved frame nobody started to fill; its waiters try again."""
+        if frame.started or frame.done.is_set():
+            return
+        self._forget(frame)
+        frame.done.set()
+
+    async def fill(self, frame: Frame, what: str) -> None:
+        """Read and verify the chunk into the frame's slots (once; a no-op if
+        another task has started). On failure the frame is gone and the error
+        is raised here and to every waiter."""
+        if frame.started or frame.done.is_set():
+            return
+        frame.started = True
+        try:
+            await self._read_into(frame, what)
+        except BaseException as exc:
+            frame.failure = exc
+            self._forget(frame)
+            if isinstance(exc, Exception):
+                self.failed += 1
+            raise
+        else:
+            frame.state = FrameState.READY
+            frame.last_access = time.monotonic()
+        finally:
+            frame.done.set()
+
+    async def acquire(
+        self, chunk: Chunk, what: str, alloc: Callable[[], int | None]
+    ) -> Frame | None:
+        """The ready frame of ``chunk``, reading it if needed; None if there is no room.
+
+        Concurrent requests for one chunk share one read. A failed read raises
+        in every waiter (ChunkCorrupt, or OSError).
+        """
+        while True:
+            frame = self.frames.get(chunk.hash)
+            if frame is None:
+                frame = self.reserve(chunk, alloc)
+                if frame is None:
+                    return None
+            if frame.state is FrameState.READY:
+                self._use(frame)
+                return frame
+            if not frame.started:
+                # Just reserved, or reserved by the read-ahead but still queued:
+                # this reader needs it now, so it reads it rather than wait
+                # behind the queue.
+                if frame.prefetched:
+                    self.prefetch_taken += 1
+                await self.fill(frame, what)
+                continue
+            self.waits += 1
+            await frame.done.wait()
+            failure = frame.failure
+            if failure is not None and isinstance(failure, Exception):
+                raise shared_error(failure)
+            # Ready (look again: it may have been evicted meanwhile), or the
+            # task that filled it was cancelled: try again.
+
+    async def _read_into(self, frame: Frame, what: str) -> None:
         chunk = frame.chunk
-        views = []
-        left = chunk.length
-        for slot in frame.slots:
-            n = min(self.slot_size, left)
-            views.append(self.arena.slot_view(slot, 0, n))
-            left -= n
+        # Whole slots: an O_DIRECT read rounds the chunk's end up to a block,
+        # into the rest of its last slot (slots start page-aligned in the mapping).
+        views = [self.arena.slot_view(slot) for slot in frame.slots]
+        direct = self.slot_size % DIRECT_ALIGN == 0
         for slot in frame.slots:
             self.arena.pin(slot)
         # If the loop gives up on this read, the thread unpins when it is done.
         call: Call[None] = Call(on_loop_later(self._unpin, frame.slots))
         try:
             await self.io.run(
-                lambda: self.store.read_into(chunk.hash, chunk.length, views, what=what),
+                lambda: self.store.read_into(
+                    chunk.hash, chunk.length, views, what=what, direct=direct
+                ),
                 what=f"read chunk of {what}",
                 call=call,
             )
@@ -149,17 +258,25 @@ class FrameCache:
         for slot in slots:
             self.arena.unpin(slot)
 
-    def copy(self, frame: Frame, start: int, count: int) -> bytes:
-        """Bytes [start, start+count) of a ready frame (chunk-relative), on the loop."""
-        parts = []
+    # ----- reading ------------------------------------------------------------------
+    def views(self, frame: Frame, start: int, count: int) -> list[memoryview]:
+        """Views of bytes [start, start+count) of a ready frame (chunk-relative).
+
+        Valid until the next await (the frame may be evicted then): copy first.
+        """
+        views = []
         pos = start
         end = start + count
         while pos < end:
             i, o = divmod(pos, self.slot_size)
             n = min(self.slot_size - o, end - pos)
-            parts.append(self.arena.read(frame.slots[i], o, n))
+            views.append(self.arena.slot_view(frame.slots[i], o, n))
             pos += n
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        return views
+
+    def copy(self, frame: Frame, start: int, count: int) -> bytes:
+        """Bytes [start, start+count) of a ready frame (chunk-relative), on the loop."""
+        return b"".join(self.views(frame, start, count))
 
     async def read_range(self, chunk: Chunk, start: int, count: int, what: str) -> bytes:
         """A verified range of a chunk without a frame (no room in the cache)."""
@@ -171,3 +288,12 @@ class FrameCache:
         self.streamed += 1
         self.bytes_read += chunk.length
         return data
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "chunk_reads": self.reads,
+            "chunk_bytes_read": self.bytes_read,
+            "chunk_reads_streamed": self.streamed,
+            "chunk_reads_failed": self.failed,
+            "chunk_read_waits": self.waits,
+        }

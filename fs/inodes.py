@@ -19,7 +19,7 @@ from .cachedfile import CachedFile
 ROOT = pyfuse3.ROOT_INODE
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Inode:
     ino: int
     parent: int

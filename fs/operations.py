@@ -41,6 +41,7 @@ EXPECTED = {
     errno.EBADF,
     errno.ENOTSUP,
     errno.EROFS,
+    errno.EBUSY,
 }
 _seen: set[tuple[str, int]] = set()
 

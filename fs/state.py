@@ -68,10 +68,14 @@ class Published(Enum):
     NAME_GONE = "name gone"  # the path no longer names this file
 
 
-def stat_state(state: FileState, flushing: bool, mirror: MirrorState) -> str:
+def stat_state(
+    state: FileState, flushing: bool, mirror: MirrorState, role: FileRole = FileRole.LOCAL
+) -> str:
     """The per-file state `ckptfs stat` shows (DESIGN.md's vocabulary)."""
     if state is FileState.DURABLE:
         return "durable"
+    if state is FileState.PENDING and role is FileRole.REMOTE:
+        return "remote"  # pending on its holders, read from them
     if state is FileState.LOST:
         return "lost"
     if state is FileState.UNLINKED:

@@ -344,7 +344,10 @@ class Membership:
         if status is Status.DEAD:
             since = self._started if peer.last_answer is None else peer.last_answer
             assert since is not None
-            log.warning(
+            # A peer never heard from is usually one that starts later than
+            # this node: worth a line, not an operator's attention.
+            log.log(
+                logging.INFO if previous is Status.UNKNOWN else logging.WARNING,
                 "peer %r at %s is dead: no answer for %.1fs (last error: %s)",
                 peer.name,
                 peer.address,

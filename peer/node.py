@@ -17,7 +17,8 @@ import trio
 
 from .config import PeersConfig, ssl_contexts
 from .membership import HEARTBEAT, Membership
-from .transport import Request, Response, serve
+from .reads import READ, LocalRead, PeerFetcher, PeerReadError, ReadServer
+from .transport import PeerClient, Request, Response, serve
 
 log = logging.getLogger("ckptfs.peer.node")
 
@@ -25,15 +26,30 @@ Route = Callable[[str, Request], Awaitable[Response]]
 
 
 class PeerNode:
-    def __init__(self, config: PeersConfig) -> None:
+    def __init__(self, config: PeersConfig, local_read: LocalRead) -> None:
         self.config = config
         contexts = ssl_contexts(config)
-        self._server_tls, client_tls = contexts if contexts else (None, None)
+        self._server_tls, self._client_tls = contexts if contexts else (None, None)
         self.membership = Membership(
-            config, ssl_context=client_tls, on_alive=self._alive, on_dead=self._dead
+            config, ssl_context=self._client_tls, on_alive=self._alive, on_dead=self._dead
         )
-        self.routes: dict[str, Route] = {HEARTBEAT: self.membership.handle_heartbeat}
+        self.reads = ReadServer(local_read)
+        self.fetcher: PeerFetcher | None = None  # once running
+        self.routes: dict[str, Route] = {
+            HEARTBEAT: self.membership.handle_heartbeat,
+            READ: self.reads.handle,
+        }
         self.port: int | None = None
+
+    async def fetch(
+        self, holders: list[str], file_id: str, version: str, offset: int, length: int
+    ) -> bytes:
+        """A verified range of a file pending on other nodes (PeerReadError if
+        no holder serves it)."""
+        others = [h for h in holders if h != self.config.node]
+        if self.fetcher is None or not others:
+            raise PeerReadError(f"no other holder of {file_id}@{version} ({', '.join(holders)})")
+        return await self.fetcher.fetch(others, file_id, version, offset, length)
 
     async def handle(self, peer: str, request: Request) -> Response:
         route = self.routes.get(request.type)
@@ -64,6 +80,11 @@ class PeerNode:
                 ) from None
             self.port = listeners[0].socket.getsockname()[1]
             await nursery.start(self.membership.run)
+            client = await nursery.start(self._run_client)
+            addresses = {name: (a.host, a.port) for name, a in self.config.nodes.items()}
+            self.fetcher = PeerFetcher(
+                client, addresses, timeout=self.config.timeout, is_alive=self.membership.is_alive
+            )
             log.info(
                 "peer server on %s (node %s, buddy %s, %d peer(s))",
                 listen,
@@ -72,6 +93,16 @@ class PeerNode:
                 len(self.config.peers),
             )
             task_status.started()
+
+    async def _run_client(self, *, task_status: trio.TaskStatus[PeerClient]) -> None:
+        async with PeerClient(
+            node=self.config.node,
+            secret=self.config.secret,
+            cluster_hash=self.config.cluster_hash,
+            ssl_context=self._client_tls,
+        ) as client:
+            task_status.started(client)
+            await trio.sleep_forever()
 
     def _alive(self, name: str) -> None:
         log.debug("peer %s alive (membership logs the change)", name)
@@ -83,3 +114,11 @@ class PeerNode:
 
     def stats(self) -> list[dict[str, Any]]:
         return list(self.membership.stats()["peers"])
+
+    def counters(self) -> dict[str, int]:
+        fetched = self.fetcher.stats() if self.fetcher else {}
+        return {
+            **fetched,
+            "ranges_served": self.reads.ranges_served,
+            "bytes_served": self.reads.bytes_served,
+        }

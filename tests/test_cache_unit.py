@@ -23,8 +23,9 @@ def make_cache(tmp_path: Path, capacity: int = 8 << 20) -> Cache:
     return Cache(arena, store, BackingIO(10), Journal(tmp_path / "journal"), node="n1")
 
 
-def test_prune_forgets_only_idle_unreferenced_files_beyond_the_cap(tmp_path, monkeypatch):
+def test_prune_forgets_the_oldest_idle_files_beyond_the_cap(tmp_path, monkeypatch):
     monkeypatch.setattr(cache_mod, "MAX_IDLE_FILES", 3)
+    monkeypatch.setattr(cache_mod, "PRUNE_SLACK", 0)
 
     async def main() -> None:
         cache = make_cache(tmp_path)
@@ -35,11 +36,12 @@ def test_prune_forgets_only_idle_unreferenced_files_beyond_the_cap(tmp_path, mon
         for i, f in enumerate(files):
             f.last_access = i
         files[0].handles = 1  # open: kept
-        pinned = files[1]
-        cache.referenced = lambda f: f is pinned  # behind a live inode: kept
         files[2].state = FileState.MODIFIED  # not durable: kept
-        assert cache.prune() == 2  # 5 idle, cap 3: the two least recently used go
-        assert sorted(cache.files) == ["id0", "id1", "id2", "id5", "id6", "id7"]
+        let_go: list[str] = []
+        cache.unreference = lambda f: let_go.append(f.file_id)  # an inode lets go of it
+        assert cache.prune() == 3  # 6 idle, cap 3: the three least recently used go
+        assert sorted(cache.files) == ["id0", "id2", "id5", "id6", "id7"]
+        assert sorted(let_go) == ["id1", "id3", "id4"]
 
     trio.run(main)
 

@@ -189,6 +189,23 @@ def test_open_sees_another_nodes_rewrite_once_its_recheck_window_passed(mounts):
         assert f.read() == v3
 
 
+def test_a_pending_version_rewritten_elsewhere_is_dropped_not_published(mounts):
+    """Another node rewrites a file while this node still flushes its older
+    version: the flush must not put the old version back, and must not stay
+    owed (the unmount would wait for ever)."""
+    m = mounts()
+    m.mount(env={"CKPTFS_FLUSH_BANDWIDTH": "2MiB"})  # 3 chunks: about 4 s of flushing
+    old, new = rand(12 * MiB, 40), rand(MiB, 41)
+    (m.mnt / "x.bin").write_bytes(old)
+    assert m.file_state("x.bin") in ("dirty", "flushing")
+    _rewrite_elsewhere(m.backing, "x.bin", new)
+    wait_for(lambda: "rewritten elsewhere" in m.log(), 60, "the flush to give up")
+    assert read_manifest(m.backing / "x.bin").chunks == [Chunk(0, MiB, chunk_hash(new))]
+    m.umount()  # nothing owed
+    m.mount()
+    assert (m.mnt / "x.bin").read_bytes() == new
+
+
 def test_recovery_reads_the_backing_store_off_the_loop_with_a_timeout(mounts):
     """A crashed daemon left a pending file; the new daemon's read of its
     manifest hangs (a dead NFS server, here a FIFO): the mount must still come up."""

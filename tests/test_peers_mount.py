@@ -3,11 +3,15 @@ authenticated heartbeats, peers in `ckptfs stat`, a dead node noticed."""
 
 from __future__ import annotations
 
+import errno
+import os
 import socket
 from pathlib import Path
 
 import pytest
 from conftest import Mount, wait_for
+
+MiB = 1 << 20
 
 
 def free_port() -> int:
@@ -108,3 +112,47 @@ def test_mount_refuses_a_node_missing_from_nodes_and_an_open_secret(mounts, tmp_
     proc = m.cli("mount", str(m.mnt), "--backing", str(m.backing), "--config", str(config),
                  "--node", "n1", "--durability", "buddy", check=False)  # fmt: skip
     assert proc.returncode == 1 and "not built yet" in proc.stderr, proc.stderr
+
+
+def test_a_file_pending_on_another_node_is_read_from_it(mounts, tmp_path):
+    """n1 closes a file and is slow to flush it (a bandwidth cap): n2 reads
+    its bytes from n1, verified. When n1 dies, what n2 has not read yet is
+    EIO with a reason, and stat lists the file as lost; never wrong bytes."""
+    ports = {"n1": free_port(), "n2": free_port()}
+    config = cluster_config(tmp_path, ports)
+    n1, n2 = mounts("n1"), mounts("n2")
+    n1.mount("--config", str(config), "--node", "n1", env={"CKPTFS_FLUSH_BANDWIDTH": "32KiB"})
+    n2.mount("--config", str(config), "--node", "n2")
+    wait_for(lambda: peers_of(n2)["n1"]["alive"], 20, "n1 alive for n2")
+    data = os.urandom(6 * MiB + 12345)
+    (n1.mnt / "ckpt.pt").write_bytes(data)
+    assert n1.file_state("ckpt.pt") in ("dirty", "flushing")  # pending, not durable
+
+    with open(n2.mnt / "ckpt.pt", "rb") as f:
+        head = f.read(3 * MiB)
+    assert head == data[: 3 * MiB]
+    s = n2.stat()
+    assert {f["path"]: f["state"] for f in s["files"]}["ckpt.pt"] == "remote"
+    assert s["peer_reads"]["bytes_fetched"] >= 3 * MiB
+    assert n1.stat()["peer_reads"]["bytes_served"] >= 3 * MiB
+    with pytest.raises(OSError) as err:
+        open(n2.mnt / "ckpt.pt", "ab").close()  # only a full rewrite may replace it here
+    assert err.value.errno == errno.EBUSY
+
+    n1.kill()
+    n2.allowed_log += [
+        "lost connection to peer 'n1'",
+        "peer 'n1' at 127.0.0.1",
+        "is lost here",
+        "read of ckpt.pt failed",
+    ]
+    fd = os.open(n2.mnt / "ckpt.pt", os.O_RDONLY | os.O_DIRECT)
+    try:
+        with pytest.raises(OSError) as err:
+            os.pread(fd, MiB, 5 * MiB)
+        assert err.value.errno == errno.EIO
+    finally:
+        os.close(fd)
+    lost = n2.stat()["lost"]
+    assert [item["path"] for item in lost] == ["ckpt.pt"]
+    assert "n1" in lost[0]["reason"]

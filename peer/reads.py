@@ -1,0 +1,166 @@
+"""Peer reads: bytes of a file that only its holders have (pending elsewhere).
+
+A file closed on node A is published as a pending manifest naming A (and,
+with mirroring, its buddy) as holders before any chunk is in the backing
+store. Node B that opens it asks a holder for each range it reads. The
+holder serves a range only of exactly the version asked for (a newer or
+older version there is refused, never substituted) and sends the range's
+hash; the reader checks the bytes against it, so a corrupted transfer is an
+error, never wrong bytes. Holders are tried in turn; when none answers, the
+read fails with a reason naming them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import trio
+import xxhash
+
+from .transport import PeerClient, PeerConnection, Request, Response
+from .wire import PeerError
+
+log = logging.getLogger("ckptfs.peer.reads")
+
+READ = "read"  # the request type
+MAX_READ = 8 << 20  # bytes per request: bounded by the transport's payload limit
+
+# (file_id, version, offset, length) -> the bytes, or None if not held here.
+LocalRead = Callable[[str, str, int, int], Awaitable[bytes | None]]
+
+
+class PeerReadError(OSError):
+    """No holder could serve the range."""
+
+
+def range_hash(data: bytes | memoryview) -> str:
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+class ReadServer:
+    """Answers ``read`` requests from the local cache."""
+
+    def __init__(self, local_read: LocalRead) -> None:
+        self.local_read = local_read
+        self.ranges_served = 0
+        self.bytes_served = 0
+
+    async def handle(self, peer: str, request: Request) -> Response:
+        meta = request.meta
+        try:
+            file_id, version = str(meta["file_id"]), str(meta["version"])
+            offset, length = int(meta["offset"]), int(meta["length"])
+        except (KeyError, TypeError, ValueError):
+            return Response.fail("malformed read request")
+        if offset < 0 or not 0 <= length <= MAX_READ:
+            return Response.fail(f"read of {length} bytes at {offset} is out of bounds")
+        try:
+            data = await self.local_read(file_id, version, offset, length)
+        except OSError as exc:
+            return Response.fail(f"cannot read {file_id}@{version}: {exc}")
+        if data is None:
+            return Response.fail(f"{file_id}@{version} is not held here")
+        self.ranges_served += 1
+        self.bytes_served += len(data)
+        return Response(meta={"hash": range_hash(data), "length": len(data)}, payload=data)
+
+
+class PeerFetcher:
+    """Fetches verified ranges from holders over connections of its own (bulk
+    transfers must not delay heartbeats)."""
+
+    def __init__(
+        self,
+        client: PeerClient,
+        addresses: dict[str, tuple[str, int]],
+        *,
+        timeout: float,
+        is_alive: Callable[[str], bool],
+    ) -> None:
+        self.client = client
+        self.addresses = addresses
+        self.timeout = timeout
+        self.is_alive = is_alive
+        self._connections: dict[str, PeerConnection] = {}
+        self._dialing: dict[str, trio.Lock] = {}
+        self.ranges_fetched = 0
+        self.bytes_fetched = 0
+        self.failures = 0
+
+    async def fetch(
+        self, holders: Sequence[str], file_id: str, version: str, offset: int, length: int
+    ) -> bytes:
+        """Bytes [offset, offset+length) of that version, from the first holder
+        that has them; raises PeerReadError naming every holder tried."""
+        out = bytearray()
+        while len(out) < length:
+            n = min(MAX_READ, length - len(out))
+            part = await self._fetch_piece(holders, file_id, version, offset + len(out), n)
+            if not part:
+                break  # past the end of the file there
+            out += part
+        return bytes(out)
+
+    async def _fetch_piece(
+        self, holders: Sequence[str], file_id: str, version: str, offset: int, length: int
+    ) -> bytes:
+        tried: list[str] = []
+        # Live holders first; a holder thought dead is still worth one try.
+        for name in sorted(holders, key=lambda h: not self.is_alive(h)):
+            if name not in self.addresses:
+                continue
+            try:
+                return await self._from(name, file_id, version, offset, length)
+            except (PeerError, OSError, trio.TooSlowError) as exc:
+                self.failures += 1
+                tried.append(f"{name}: {exc}")
+                await self._forget(name)
+        reason = "; ".join(tried) or f"no reachable holder among {', '.join(holders) or 'none'}"
+        raise PeerReadError(f"no holder served {file_id}@{version} at {offset}: {reason}")
+
+    async def _from(self, name: str, file_id: str, version: str, offset: int, length: int) -> bytes:
+        conn = await self._connection(name)
+        meta: dict[str, Any] = {
+            "file_id": file_id,
+            "version": version,
+            "offset": offset,
+            "length": length,
+        }
+        response = (await conn.request(READ, meta, timeout=self.timeout)).check()
+        data = bytes(response.payload)
+        if len(data) != response.meta.get("length") or range_hash(data) != response.meta.get(
+            "hash"
+        ):
+            raise PeerReadError(f"range from {name} does not match its hash")
+        if len(data) > length:
+            raise PeerReadError(f"{name} sent {len(data)} bytes for a {length}-byte range")
+        self.ranges_fetched += 1
+        self.bytes_fetched += len(data)
+        return data
+
+    async def _connection(self, name: str) -> PeerConnection:
+        lock = self._dialing.setdefault(name, trio.Lock())
+        async with lock:  # one dial per peer at a time
+            conn = self._connections.get(name)
+            if conn is not None and conn.close_reason is None:
+                return conn
+            host, port = self.addresses[name]
+            conn = await self.client.connect(host, port, expect_node=name, timeout=self.timeout)
+            self._connections[name] = conn
+            return conn
+
+    async def _forget(self, name: str) -> None:
+        """Drop the connection after a failure: the next read dials afresh."""
+        conn = self._connections.pop(name, None)
+        if conn is not None:
+            with trio.move_on_after(self.timeout):
+                await conn.aclose()
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "ranges_fetched": self.ranges_fetched,
+            "bytes_fetched": self.bytes_fetched,
+            "failures": self.failures,
+        }

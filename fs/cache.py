@@ -586,7 +586,10 @@ class Cache:
         return freed * self.page_size
 
     # ----- reading ------------------------------------------------------------
-    async def read(self, f: CachedFile, off: int, size: int) -> bytes:
+    async def read(
+        self, f: CachedFile, off: int, size: int, *, view_ok: bool = False
+    ) -> bytes | memoryview:
+        """Bytes of ``f``; ``view_ok``: see RangeReader.read (FUSE replies only)."""
         if f.state is FileState.LOST:
             raise FileLost(f"{f.path}: bytes lost ({f.lost_reason or 'no holder'})")
         self._touch(f)
@@ -597,7 +600,7 @@ class Cache:
             return await self._read_remote(f, off, end)
         # Before this read waits for its own chunk, so the next ones overlap it.
         self.readahead.observe(f, off, end)
-        return await self.reader.read(f, off, end)
+        return await self.reader.read(f, off, end, view_ok=view_ok)
 
     async def _read_remote(self, f: CachedFile, off: int, end: int) -> bytes:
         """Bytes of a file pending on other nodes, from a holder (verified there

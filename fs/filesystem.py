@@ -486,14 +486,15 @@ class FileSystem:
         inode.ident = ("file", f.file_id)
         return f
 
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         handle = self.handles[fh]
         if handle.plain_fd is not None:
             return await self.backing.pread(handle.plain_fd, size, off, handle.inode.name)
         f = handle.file
         assert f is not None
         try:
-            return await self.cache.read(f, off, size)
+            # A view of the arena where possible: returned straight to the reply.
+            return await self.cache.read(f, off, size, view_ok=True)
         except FileLost as exc:
             log.error("read of %s failed: %s", f.path, exc.strerror)
             raise FsError(errno.EIO, exc.strerror, logged=True) from None

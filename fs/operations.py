@@ -224,7 +224,9 @@ class Operations(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep, direct_io=self._direct(flags))
 
     @handler
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+        # Nothing may await between this return and pyfuse3's reply: the
+        # result can be a view of an arena slot (see RangeReader.read).
         return await self.fs.read(fh, off, size)
 
     @handler

@@ -128,8 +128,15 @@ class RangeReader:
         self.frames = frames
         self.alloc = alloc
 
-    async def read(self, f: CachedFile, start: int, end: int) -> bytes:
-        """Bytes [start, end) of ``f`` (the caller clips ``end`` to the size)."""
+    async def read(
+        self, f: CachedFile, start: int, end: int, *, view_ok: bool = False
+    ) -> bytes | memoryview:
+        """Bytes [start, end) of ``f`` (the caller clips ``end`` to the size).
+
+        With ``view_ok``, a range that lies in one RAM page or frame comes back
+        as a view of the arena, not a copy: for a caller that hands it on
+        before its next await (the FUSE reply is written synchronously after
+        the read handler returns); a slot may be reused after any await."""
         out: list[bytes] = []
         pending: list[memoryview | bytes] = []  # views valid until the next await
         pos = start
@@ -154,6 +161,8 @@ class RangeReader:
                 pos += src.count
                 if waited:
                     break  # the file may have changed meanwhile: resolve the rest again
+        if view_ok and not out and len(pending) == 1:
+            return pending[0]  # zero-copy: the reply copies it into the kernel
         if pending:
             out.append(b"".join(pending))
         return out[0] if len(out) == 1 else b"".join(out)

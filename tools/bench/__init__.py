@@ -19,6 +19,10 @@ Each mounts what it measures itself and always unmounts it; run one with
   ckptfs against a plain directory, and the mmap reopen window of
   ``torch.load(mmap=True)``.
   ``python -m ckptfs.tools.bench.bench_meta [--ops 300] [--rounds 5]``
+- ``bench_flush``: the flusher's drain rate against the disk's own write +
+  fsync, its CPU per GiB, and a training loop's slowdown while it runs, per
+  ``flush.workers`` and ``flush.bandwidth``.
+  ``python -m ckptfs.tools.bench.bench_flush [--size-gib 2] [--runs 3]``
 
 ``benchlib`` is what they share (memory warm-up, tables, mounting through the
 CLI, cleanup); it is not a public API.

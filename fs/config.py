@@ -137,21 +137,22 @@ def _node(value: Any, key: str) -> str:
     return text
 
 
-def _timeout(value: Any, key: str) -> float:
+def _float_seconds(value: Any, key: str) -> float:
     try:
-        result = float(value)
+        return float(value)
     except (TypeError, ValueError):
         raise ConfigError(key, f"expected seconds, got {value!r}") from None
+
+
+def _timeout(value: Any, key: str) -> float:
+    result = _float_seconds(value, key)
     if result <= 0:
         raise ConfigError(key, f"expected a positive number of seconds, got {value!r}")
     return result
 
 
 def _seconds(value: Any, key: str) -> float:
-    try:
-        result = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(key, f"expected seconds, got {value!r}") from None
+    result = _float_seconds(value, key)
     if not 0 <= result <= 3600:
         raise ConfigError(key, f"expected 0 to 3600 seconds, got {value!r}")
     return result

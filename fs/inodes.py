@@ -10,11 +10,14 @@ subtree at once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import pyfuse3
 
 from .cachedfile import CachedFile
+
+if TYPE_CHECKING:
+    from .backing import Entry
 
 ROOT = pyfuse3.ROOT_INODE
 
@@ -34,7 +37,7 @@ class Inode:
     # A directory's last backing-store attributes and when they were read:
     # the kernel asks again after every create in it (it invalidates the
     # parent), and a round trip per create halves small-file throughput.
-    dir_attrs: Any = None
+    dir_attrs: Entry | None = None
     dir_attrs_at: float = 0.0
     # The manifest version the last lookup/stat found at this name, and when.
     checked_version: str | None = None

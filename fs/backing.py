@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +23,11 @@ from .manifest import (
     Manifest,
     ManifestError,
     ParsedManifests,
+    fsync_dir,
     is_tmp_name,
     open_dir,
     read_manifest,
+    tmp_name,
     write_manifest,
 )
 from .state import Published
@@ -143,7 +146,14 @@ def _replace_manifest(
     """Replace the manifest at ``rel`` if it still belongs to ``file_id`` (and,
     with ``expect_version``, is still that version); ``before`` runs first."""
     try:
-        current = read_manifest(rel, dir_fd=root)
+        try:
+            current = read_manifest(rel, dir_fd=root)
+        except FileNotFoundError:
+            # A takeover may have moved it aside for an instant (see
+            # _takeover_manifest): wait for it before calling the name gone.
+            if not _wait_for_fence(root, file_id):
+                raise
+            current = read_manifest(rel, dir_fd=root)
     except FileNotFoundError:
         return Published.NAME_GONE
     except ManifestError:
@@ -160,6 +170,125 @@ def _replace_manifest(
         before()
     write_manifest(rel, manifest, dir_fd=root, owner=owner, abandoned=call.abandoned)
     return Published.DONE
+
+
+FENCE_DIR = f"{CKPTFS_DIR}/fence"
+FENCE_STALE = 60.0  # seconds after which a fence left by a dead takeover is broken
+FENCE_WAIT = 5.0  # longest a publish waits for a takeover's fence to go
+
+
+def _fence(file_id: str) -> str:
+    return f"{FENCE_DIR}/{file_id}"
+
+
+def _wait_for_fence(root: int, file_id: str) -> bool:
+    """True if a takeover of ``file_id`` was fenced (and has ended, or waited long enough)."""
+    try:
+        os.stat(_fence(file_id), dir_fd=root)
+    except FileNotFoundError:
+        return False
+    deadline = time.monotonic() + FENCE_WAIT
+    while time.monotonic() < deadline:
+        time.sleep(0.005)
+        try:
+            os.stat(_fence(file_id), dir_fd=root)
+        except FileNotFoundError:
+            break
+    return True
+
+
+def _take_fence(root: int, file_id: str) -> bool:
+    for d in (CKPTFS_DIR, FENCE_DIR):
+        try:
+            os.mkdir(d, 0o700, dir_fd=root)
+        except FileExistsError:
+            pass
+    for _ in range(2):
+        try:
+            os.close(
+                os.open(_fence(file_id), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600, dir_fd=root)
+            )
+            return True
+        except FileExistsError:
+            try:
+                age = time.time() - os.stat(_fence(file_id), dir_fd=root).st_mtime
+            except FileNotFoundError:
+                continue
+            if age < FENCE_STALE:
+                return False
+            os.unlink(_fence(file_id), dir_fd=root)  # left by a takeover that died
+    return False
+
+
+def _takeover_manifest(
+    call: Call[Published],
+    root: int,
+    rel: str,
+    manifest: Manifest,
+    file_id: str,
+    expect_version: str,
+) -> Published:
+    """Publish ``manifest`` at ``rel`` only over exactly ``expect_version``.
+
+    The fenced publish of a takeover (docs/STATES.md, "Takeover and
+    fencing"): the manifest there is moved aside atomically (rename), checked,
+    and the new one linked into place with link(2), which fails if anything
+    was published at the name meanwhile. So whatever another node (the
+    writer, if it only seemed dead) publishes concurrently wins, and a
+    takeover never puts its version over a newer one. A publish that finds
+    the name missing in that instant waits for the fence (_replace_manifest).
+    """
+    if not _take_fence(root, file_id):
+        return Published.STALE  # another takeover of this file is under way
+    parent, name = os.path.split(rel)
+    dfd = open_dir(parent, root)
+    aside = tmp_name(name)
+    try:
+        try:
+            os.rename(name, aside, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except FileNotFoundError:
+            return Published.NAME_GONE
+        try:
+            try:
+                current = read_manifest(aside, dir_fd=dfd)
+            except ManifestError:
+                current = None
+            if current is None or current.file_id != file_id or current.version != expect_version:
+                try:
+                    os.link(aside, name, src_dir_fd=dfd, dst_dir_fd=dfd)  # put it back
+                except FileExistsError:
+                    pass  # something newer was published meanwhile: it stays
+                fsync_dir(dfd)
+                if current is None or current.file_id != file_id:
+                    return Published.NAME_GONE
+                return Published.STALE
+            st = os.stat(aside, dir_fd=dfd)
+            new = tmp_name(name)
+            write_manifest(
+                os.path.join(parent, new), manifest, dir_fd=root, owner=(st.st_uid, st.st_gid)
+            )
+            try:
+                if call.abandoned():
+                    os.link(aside, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                    return Published.STALE
+                os.link(new, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except FileExistsError:
+                return Published.STALE  # newer than what we took over: it stays
+            finally:
+                os.unlink(new, dir_fd=dfd)
+                fsync_dir(dfd)
+            return Published.DONE
+        finally:
+            try:
+                os.unlink(aside, dir_fd=dfd)
+            except FileNotFoundError:
+                pass
+    finally:
+        os.close(dfd)
+        try:
+            os.unlink(_fence(file_id), dir_fd=root)
+        except FileNotFoundError:
+            pass
 
 
 def _close_quietly(fd: int | None) -> None:
@@ -232,6 +361,21 @@ class Backing:
             allow_plain,
             before,
             what=f"write manifest {rel}",
+            with_call=True,
+        )
+
+    async def takeover_manifest(
+        self, rel: str, manifest: Manifest, *, file_id: str, expect_version: str
+    ) -> Published:
+        """Publish a taken-over file's manifest, fenced (see _takeover_manifest)."""
+        return await self.io.run(
+            _takeover_manifest,
+            self.root_fd,
+            rel,
+            manifest,
+            file_id,
+            expect_version,
+            what=f"take over manifest {rel}",
             with_call=True,
         )
 

@@ -36,10 +36,10 @@ from .cachedfile import CachedFile, ChunkMap, Page, Snapshot
 from .chunkstore import ChunkStore, chunk_hash
 from .frames import FrameCache
 from .journal import Journal, chunks_of
-from .manifest import Chunk, Manifest
+from .manifest import Chunk, Manifest, new_id
 from .readahead import ReadAhead
 from .readsource import RangeReader
-from .state import FileRole, FileState, PageState
+from .state import FileRole, FileState, MirrorState, PageState
 
 log = logging.getLogger("ckptfs.cache")
 
@@ -52,6 +52,7 @@ PRUNE_SLACK = 1024
 # hostile or mistaken truncate can ask of the chunk list and the store.
 MAX_FILE_SIZE = 1 << 44
 BACKPRESSURE_WARN_SECONDS = 60.0
+MAX_GONE_MIRRORS = 65536
 BACKPRESSURE_POLL = 1.0  # seconds between looks for space, besides being woken
 
 
@@ -98,6 +99,19 @@ class Cache:
         self.unreference: Callable[[CachedFile], None] = lambda f: None
         # Set by the daemon: a LOCAL file became PENDING and needs flushing.
         self.on_pending: Callable[[CachedFile], None] = lambda f: None
+        # Set by the daemon at durability buddy: a page of a LOCAL file
+        # changed (stream it to the buddy); a version the buddy mirrors needs
+        # no mirror any more (mirror_id, version; version "" = any).
+        self.on_page_changed: Callable[[CachedFile, int], None] = lambda f, p: None
+        self.on_mirror_done: Callable[[str, str], None] = lambda mid, version: None
+        # The buddy side: other nodes' files mirrored here, by mirror id, and
+        # the share of the arena they may take.
+        self.mirrors: dict[str, CachedFile] = {}
+        self.mirror_quota = arena.nslots // 2
+        self.mirror_slots = 0
+        # Mirror ids whose content the writer abandoned for good: a page of
+        # one still in flight must not bring it back (bounded, oldest out).
+        self._gone_mirrors: dict[str, None] = {}
         self.hash_limiter = trio.CapacityLimiter(hash_threads)
         self._gen = itertools.count(1)
         self._space_event = trio.Event()
@@ -125,6 +139,7 @@ class Cache:
         now = time.time_ns()
         f = CachedFile(file_id, version, path, 0, mode, uid, gid, now, now, self.page_size)
         f.content_gen = next(self._gen)
+        f.mirror_id = new_id()
         self._register(f)
         return f
 
@@ -134,7 +149,7 @@ class Cache:
     def held_version(self, file_id: str, version: str) -> CachedFile | None:
         """The content of exactly that published version, if this node holds it
         (for a peer's read): never a version being changed here."""
-        for f in [self.files.get(file_id), *self.retired]:
+        for f in [self.files.get(file_id), *self.retired, *self.mirrors.values()]:
             if (
                 f is not None
                 and f.file_id == file_id
@@ -164,6 +179,22 @@ class Cache:
         ):
             # Its holders may be back (or it was a passing failure): try them again.
             f.state, f.lost_reason = FileState.PENDING, ""
+        if (
+            f is not None
+            and f.role is FileRole.REMOTE
+            and f.version == m.version
+            and m.state == "durable"
+            and f.state in (FileState.PENDING, FileState.LOST)
+        ):
+            # Made durable meanwhile (by its writer or a takeover): read the
+            # chunks now, not the holders.
+            f.role, f.state, f.lost_reason = FileRole.LOCAL, FileState.DURABLE, ""
+            f.base, f.chunking, f.holders = (
+                ChunkMap.of(m.chunks, m.size),
+                m.chunking,
+                list(m.holders),
+            )
+            self._notify(f)
         if f is not None and (f.modified or (f.version == m.version and not f.unlinked)):
             f.path = path
             if not f.modified:
@@ -221,6 +252,9 @@ class Cache:
 
     def drop(self, f: CachedFile) -> None:
         """Forget content nobody needs any more; its slots go back to the arena."""
+        if self.mirrors.get(f.mirror_id) is f:
+            del self.mirrors[f.mirror_id]
+            self.mirror_slots -= f.ram_count
         self._release_pages(f, list(f.pages))
         self._resident.pop(f, None)
         self.retired.discard(f)
@@ -264,6 +298,8 @@ class Cache:
         key = self._record_key(f)
         if key is not None:
             self.journal.drop_later(key)  # recovery rejects it: its manifest is gone
+        if f.role is FileRole.LOCAL and f.mirror is not MirrorState.NONE:
+            self.on_mirror_done(f.mirror_id, "")  # nothing will publish this content
         f.state = FileState.UNLINKED
         if self.files.get(f.file_id) is f:
             del self.files[f.file_id]
@@ -294,6 +330,8 @@ class Cache:
         key = self._record_key(f)
         f.state = FileState.MODIFIED
         f.role = FileRole.LOCAL
+        if f.mirror is MirrorState.ACKED:
+            f.mirror = MirrorState.STREAMING  # the buddy's copy no longer matches
         self._notify(f)
         if key is not None:
             # The record lists slots this change is about to overwrite.
@@ -320,6 +358,7 @@ class Cache:
             self._resident[old] = None
         f.pages, f.base, f.dirty_count, f.ram_count = {}, ChunkMap(), 0, 0
         f.state, f.role = FileState.MODIFIED, FileRole.LOCAL
+        old.mirror_id, f.mirror_id, f.mirror = f.mirror_id, new_id(), MirrorState.NONE
         f.content_gen = next(self._gen)
         f.opened_at, f.closed_at, f.flushed_bytes = time.time(), None, 0
         self._notify(f)
@@ -350,7 +389,7 @@ class Cache:
                 self._retire(old)  # a newer version replaced it
         if f.state is FileState.PUBLISHING and f.content_gen == snap.content_gen:
             f.state = FileState.PENDING
-            f.holders = [self.node]
+            f.holders = list(snap.holders) or [self.node]
             f.closed_at = time.time()
             self._notify(f)
             self.on_pending(f)
@@ -432,8 +471,13 @@ class Cache:
         f.lost_reason = ""
         self.journal.drop_later((f.file_id, f.version))
         self._notify(f)
-        if f in self.retired:
-            self.drop(f)  # a fork: durable now, and no name shows this content any more
+        if f.role is FileRole.LOCAL and f.mirror is not MirrorState.NONE:
+            self.on_mirror_done(f.mirror_id, f.version)
+            f.mirror = MirrorState.NONE
+        if f in self.retired or f.role is FileRole.TAKEOVER:
+            # A fork, or a buddy's file taken over: durable now, and no name
+            # here shows this content.
+            self.drop(f)
         self._signal_space()
         self.prune()
         return True
@@ -455,6 +499,181 @@ class Cache:
             self.dirty_pages += 1
         page.gen = next(self._gen)
         f.content_gen = page.gen
+        if f.role is FileRole.LOCAL and f.state is not FileState.UNLINKED:
+            self.on_page_changed(f, p)
+
+    # ----- buddy mirroring: the writer's side ---------------------------------
+    def set_mirror(self, f: CachedFile, state: MirrorState) -> None:
+        """Record whether ``f``'s buddy holds its content (peer/mirror.py decides)."""
+        if f.mirror is not state:
+            f.mirror = state
+            self._notify(f)
+
+    # ----- buddy mirroring: the buddy's side ------------------------------------
+    async def mirror_page(
+        self, origin: str, mid: str, file_id: str, p: int, gen: int, data: memoryview, *,
+        timeout: float,
+    ) -> bool:  # fmt: skip
+        """Hold page ``p`` (writer's generation ``gen``) of a buddy's content.
+
+        Waits up to ``timeout`` for room within the mirror quota and returns
+        False if there is none (the writer retries: a full buddy slows it).
+        """
+        if mid in self._gone_mirrors:
+            raise OSError(errno.ESTALE, f"mirror {mid} of {file_id} was dropped by its writer")
+        f = self.mirrors.get(mid)
+        if f is None:
+            f = CachedFile(file_id, "", "", 0, 0o600, 0, 0, 0, 0, self.page_size)
+            f.role, f.mirror_id, f.origin = FileRole.MIRROR, mid, origin
+            self.mirrors[mid] = f
+        if f.role is not FileRole.MIRROR or f.origin != origin:
+            raise OSError(errno.EBUSY, f"mirror {mid} of {file_id} is not {origin}'s to change")
+        page = f.pages.get(p)
+        if page is None or not page.in_ram or self.arena.pinned(page.slot):
+            slot = await self._alloc_mirror(timeout)
+            if slot is None:
+                return False
+            if self.mirrors.get(mid) is not f or f.role is not FileRole.MIRROR:
+                self.arena.release(slot)  # dropped or taken over meanwhile
+                return True
+            page = f.pages.get(p)
+            if page is not None:
+                self._drop_mirror_page(f, p)
+            page = f.pages[p] = Page(PageState.DIRTY, slot, 0, gen)
+            f.ram_count += 1
+            f.dirty_count += 1
+            self.dirty_pages += 1
+            self.mirror_slots += 1
+        self.arena.write(page.slot, 0, data)
+        page.fill, page.gen = len(data), gen
+        # The content differs from any version committed before.
+        f.state = FileState.MODIFIED
+        f.content_gen = next(self._gen)
+        return True
+
+    async def _alloc_mirror(self, timeout: float) -> int | None:
+        with trio.move_on_after(timeout):
+            while self.mirror_slots >= self.mirror_quota:
+                await self._space_event.wait()
+            return await self.alloc_for_write_quietly()
+        return None
+
+    async def alloc_for_write_quietly(self) -> int:
+        """A slot, waiting for space without the writers' backpressure log."""
+        while (slot := self.try_alloc()) is None:
+            self.need_space.set()
+            with trio.move_on_after(self.backpressure_poll):
+                await self._space_event.wait()
+        return slot
+
+    def _drop_mirror_page(self, f: CachedFile, p: int) -> None:
+        page = f.pages.get(p)
+        if page is not None and page.in_ram:
+            self.mirror_slots -= 1
+        self._drop_page(f, p)
+
+    def mirror_commit(
+        self,
+        origin: str,
+        mid: str,
+        manifest: Manifest,
+        path: str,
+        uid: int,
+        gid: int,
+        ram: dict[int, tuple[int, int]],
+        spilled: dict[int, Chunk],
+        base: ChunkMap,
+    ) -> list[int]:
+        """The writer published (or is about to publish) ``manifest`` for the
+        content streamed under ``mid``: ``ram`` lists (gen, fill) per page the
+        buddy must hold, ``spilled`` the pages already in chunks. Returns the
+        pages whose generation does not match (to send again); when none, the
+        mirror is that version, PENDING, and serves it."""
+        if mid in self._gone_mirrors:
+            raise OSError(errno.ESTALE, f"mirror {mid} of {path} was dropped by its writer")
+        f = self.mirrors.get(mid)
+        if f is None:
+            f = CachedFile(manifest.file_id, "", "", 0, 0o600, 0, 0, 0, 0, self.page_size)
+            f.role, f.mirror_id, f.origin = FileRole.MIRROR, mid, origin
+            self.mirrors[mid] = f
+        if f.role is not FileRole.MIRROR or f.origin != origin:
+            raise OSError(errno.EBUSY, f"mirror {mid} of {path} is not {origin}'s to change")
+        missing = [
+            p
+            for p, (gen, fill) in ram.items()
+            if (page := f.pages.get(p)) is None
+            or not page.in_ram
+            or page.gen != gen
+            or page.fill < fill
+        ]
+        if missing:
+            return missing
+        for p in [p for p in f.pages if p not in ram]:
+            self._drop_mirror_page(f, p)
+        for p, (_gen, fill) in ram.items():
+            f.pages[p].fill = fill
+        for p, chunk in spilled.items():
+            f.pages[p] = Page(PageState.SPILLED, -1, chunk.length, 0, chunk)
+        f.file_id, f.version, f.path, f.size = (
+            manifest.file_id,
+            manifest.version,
+            path,
+            manifest.size,
+        )
+        f.mode, f.uid, f.gid = manifest.mode & 0o7777, uid, gid
+        f.mtime_ns, f.atime_ns = manifest.mtime_ns, manifest.atime
+        f.chunking, f.base = manifest.chunking, base
+        f.holders = list(manifest.holders)
+        f.state = FileState.PENDING
+        f.content_gen = next(self._gen)
+        f.closed_at = time.time()
+        self._notify(f)
+        return []
+
+    def mirror_rename(self, origin: str, mid: str, path: str) -> bool:
+        f = self.mirrors.get(mid)
+        if f is None or f.origin != origin:
+            return False
+        f.path = path
+        return True
+
+    def mirror_drop(self, origin: str, mid: str, version: str) -> bool:
+        """The writer needs no mirror of ``mid`` at ``version`` ("" = any) any more."""
+        if not version:
+            self._gone_mirrors[mid] = None
+            if len(self._gone_mirrors) > MAX_GONE_MIRRORS:
+                del self._gone_mirrors[next(iter(self._gone_mirrors))]
+        f = self.mirrors.get(mid)
+        if f is None or f.origin != origin or f.role is not FileRole.MIRROR:
+            return False
+        if version and (f.version != version or f.state is not FileState.PENDING):
+            return False  # changed since: a later commit or drop settles it
+        self._drop_mirror(f)
+        return True
+
+    def _drop_mirror(self, f: CachedFile) -> None:
+        self.drop(f)
+
+    def mirrors_of(self, origin: str) -> list[CachedFile]:
+        return [f for f in self.mirrors.values() if f.origin == origin]
+
+    def take_over(self, f: CachedFile) -> bool:
+        """The writer of mirror ``f`` died: this node flushes it (fenced, at
+        exactly its version). Content never committed is dropped: its close
+        never returned."""
+        if f.role is not FileRole.MIRROR:
+            return False
+        if f.state is not FileState.PENDING:
+            self._drop_mirror(f)
+            return False
+        f.role = FileRole.TAKEOVER
+        f.holders = [self.node]
+        self._notify(f)
+        self.on_pending(f)
+        return True
+
+    def mirrored_bytes(self) -> int:
+        return self.mirror_slots * self.page_size
 
     # ----- memory ---------------------------------------------------------
     def _touch(self, f: CachedFile) -> None:
@@ -608,6 +827,9 @@ class Cache:
         EIO with the reason, until its manifest changes or a holder is back."""
         assert self.peer_fetch is not None
         version = f.version
+        held = self.held_version(f.file_id, version)
+        if held is not None and held is not f:
+            return await self.reader.read(held, off, end)  # mirrored here
         try:
             return await self.peer_fetch(list(f.holders), f.file_id, version, off, end - off)
         except OSError as exc:

@@ -111,6 +111,7 @@ class Snapshot:
     size: int
     pages: dict[int, Page]  # copies
     base: ChunkMap
+    holders: list[str] = field(default_factory=list)  # for its pending manifest
     pinned: list[int] = field(default_factory=list)
     threads: int = 0  # worker threads reading the pinned slots
     ended: bool = False  # the flush is over; pins go when the last thread does
@@ -145,6 +146,10 @@ class CachedFile:
     role: FileRole = FileRole.LOCAL
     mirror: MirrorState = MirrorState.NONE
     holders: list[str] = field(default_factory=list)
+    # Names this content on the buddy (a new one per content incarnation:
+    # a new file, a fork); for a MIRROR, the writer node it came from.
+    mirror_id: str = ""
+    origin: str = ""
     pages: dict[int, Page] = field(default_factory=dict)
     base: ChunkMap = field(default_factory=ChunkMap)
     chunking: str = "fixed"
@@ -181,7 +186,7 @@ class CachedFile:
     @property
     def owes_flush(self) -> bool:
         """This node must still make it durable."""
-        return self.state is FileState.PENDING and self.role is FileRole.LOCAL
+        return self.state is FileState.PENDING and self.role in (FileRole.LOCAL, FileRole.TAKEOVER)
 
     def page_range(self, start: int, end: int) -> range:
         return range(start // self.page_size, -(-end // self.page_size))

@@ -273,10 +273,8 @@ def load_config(
     from ckptfs.peer.config import parse_peers
 
     config.peers_config = parse_peers(config.peers or None, config.node)
+    if "durability" not in values and config.peers_config is not None:
+        config.durability = "buddy"  # the default with peers (DESIGN.md)
     if config.durability == "buddy" and config.peers_config is None:
         raise ConfigError("durability", "'buddy' needs peers.nodes; use local or backing")
-    if config.durability == "buddy":
-        # Membership runs, but mirroring to the buddy is not built yet: never
-        # claim a durability level that is not delivered.
-        raise ConfigError("durability", "'buddy' mirroring is not built yet; use local or backing")
     return config

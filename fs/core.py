@@ -10,6 +10,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from .journal import Journal, ThreadRunner
 from .manifest import Manifest
 from .recovery import recover
 from .retention import apply_retention
-from .state import FileRole, FileState
+from .state import FileRole, FileState, Published
 
 log = logging.getLogger("ckptfs.core")
 
@@ -69,7 +70,7 @@ class Core:
             workers=config.flush_workers,
             bandwidth=config.flush_bandwidth,
             chunk_size=config.chunk_size,
-            publish=lambda f, make, version: self.fs.publish(f, make, expect_version=version),
+            publish=self._publish_flushed,
             on_durable=self._on_durable,
         )
         self.cache.on_pending = self.flusher.enqueue
@@ -88,6 +89,14 @@ class Core:
         nursery.start_soon(self.fs.retry_commits)
         if prefault and self.config.cache_prefault:
             nursery.start_soon(self._prefault)
+
+    async def _publish_flushed(
+        self, f: CachedFile, make: Callable[[], Manifest | None], version: str
+    ) -> Published:
+        """The flusher's durable manifest: fenced for a taken-over file."""
+        if f.role is FileRole.TAKEOVER:
+            return await self.fs.publish_takeover(f, make, version)
+        return await self.fs.publish(f, make, expect_version=version)
 
     async def serve_peer_read(
         self, file_id: str, version: str, offset: int, length: int
@@ -188,7 +197,8 @@ class Core:
         }
         self.history.add(record)
         log.info("durable: %s (%d bytes, %.2fs after close)", f.path, f.size, now - closed)
-        await self._retention(f.path)
+        if f.role is not FileRole.TAKEOVER:  # retention is the writer's to apply
+            await self._retention(f.path)
 
     async def _retention(self, path: str) -> None:
         """After a file in a checkpoint directory is durable, prune older ones."""

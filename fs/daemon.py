@@ -45,7 +45,13 @@ class Daemon:
         self.sock_path, self.pid_path, _ = run_files(config.run_dir, mountpoint)
         self.core = Core(config, config.cache_dir / mount_id(mountpoint))
         self.peer = (
-            PeerNode(config.peers_config, self.core.serve_peer_read)
+            PeerNode(
+                config.peers_config,
+                self.core.serve_peer_read,
+                cache=self.core.cache,
+                manifest_at=self.core.backing.manifest,
+                mirror_writes=config.durability == "buddy",
+            )
             if config.peers_config
             else None
         )
@@ -64,6 +70,11 @@ class Daemon:
                 await core.start(nursery)
                 if self.peer is not None:
                     await nursery.start(self.peer.run)
+                    mirror = self.peer.mirror_client
+                    if mirror is not None:
+                        core.fs.mirror = mirror
+                        core.cache.on_page_changed = mirror.changed
+                        core.cache.on_mirror_done = mirror.done
                 ops = Operations(core.fs, self.config.writeback_cache, self.config.direct_writes)
                 options = set(pyfuse3.default_options) | {"fsname=ckptfs", "subtype=ckptfs"}
                 if self.config.allow_other:
@@ -172,6 +183,7 @@ class Daemon:
             ],
             "peers": self.peer.stats() if self.peer else [],
             "peer_reads": self.peer.counters() if self.peer else {},
+            "mirroring": self.peer.mirror_stats() if self.peer else {},
             "history": list(core.history.recent),
         }
 

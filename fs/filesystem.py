@@ -23,13 +23,13 @@ import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
 from .backing import Backing, Entry
 from .cache import MAX_FILE_SIZE, Cache, FileLost
-from .cachedfile import CachedFile
+from .cachedfile import CachedFile, Snapshot
 from .chunkstore import ChunkCorrupt
 from .config import Config
 from .flusher import Flusher
@@ -110,6 +110,16 @@ def without_privileges(mode: int) -> int:
     return mode
 
 
+class BuddyMirror(Protocol):
+    """The buddy mirroring the filesystem's commits wait for (peer/mirror.py)."""
+
+    async def commit(self, snap: Snapshot, manifest: Manifest) -> list[str]:
+        """Have the buddy hold ``snap``; the holders its pending manifest names."""
+        ...
+
+    async def renamed(self, files: list[CachedFile]) -> None: ...
+
+
 class FileSystem:
     def __init__(self, config: Config, backing: Backing, cache: Cache, flusher: Flusher) -> None:
         self.config = config
@@ -123,6 +133,7 @@ class FileSystem:
         self._fh = itertools.count(1)
         self.ns_lock = NamespaceLock()  # path-dependent backing updates (rename vs. publish)
         self._retry: set[CachedFile] = set()  # commits that failed; retried in the background
+        self.mirror: BuddyMirror | None = None  # set by the daemon at durability buddy
         cache.unreference = self._unreference
 
     # ----- attributes -------------------------------------------------------
@@ -330,6 +341,11 @@ class FileSystem:
             inode = self.inodes.child(p_old, old) or self._bind(p_old, old, source)
             self.inodes.move(inode, p_new, new)
             moved = self._repath(old_path, new_path)
+        if self.mirror is not None:
+            # A takeover publishes at the path its buddy last told it: a closed,
+            # renamed file (torch.save to a temporary name, then os.replace)
+            # must not be lost because the buddy looked at the old name.
+            await self.mirror.renamed(moved)
         # Pending versions' journal records name the path recovery looks at.
         for f in moved:
             if f.state is FileState.PENDING:
@@ -377,7 +393,9 @@ class FileSystem:
         fh = self._open_handle(inode, f, writable=True, caller=caller)
         return fh, self._attr(inode, None)
 
-    def _manifest(self, f: CachedFile, version: str, size: int | None = None) -> Manifest:
+    def _manifest(
+        self, f: CachedFile, version: str, size: int | None = None, holders: list[str] | None = None
+    ) -> Manifest:
         """The pending manifest of ``f`` at ``version``."""
         return Manifest(
             f.file_id,
@@ -386,7 +404,7 @@ class FileSystem:
             f.mode,
             f.mtime_ns,
             "pending",
-            [self.node],
+            holders or [self.node],
             atime_ns=f.atime_ns,
         )
 
@@ -555,6 +573,12 @@ class FileSystem:
 
     async def _publish_content(self, f: CachedFile) -> None:
         snap = self.cache.begin_publish(f, new_id())
+        if self.mirror is not None:
+            # durability buddy: the buddy holds this very content before any
+            # manifest names it as a holder (peer/mirror.py; never raises).
+            snap.holders = await self.mirror.commit(
+                snap, self._manifest(f, snap.version, snap.size)
+            )
         journal = self.cache.journal
         record = record_of(snap)
         key = (f.file_id, snap.version)
@@ -572,7 +596,9 @@ class FileSystem:
             path = f.path
             async with journal.locked(key):
                 result = await self.publish(
-                    f, lambda: self._manifest(f, snap.version, snap.size), before=save_record
+                    f,
+                    lambda: self._manifest(f, snap.version, snap.size, snap.holders),
+                    before=save_record,
                 )
         except BaseException:
             self.cache.publish_failed(snap, name_gone=False)
@@ -649,6 +675,19 @@ class FileSystem:
             if result is Published.DONE:
                 f.replaces_plain = False
             return result
+
+    async def publish_takeover(
+        self, f: CachedFile, make: Callable[[], Manifest | None], expect_version: str
+    ) -> Published:
+        """Publish a buddy's file this node took over: only over exactly the
+        version it mirrored (fenced; see Backing.takeover_manifest)."""
+        async with self.ns_lock.shared(lambda: f.path) as path:
+            manifest = make()
+            if manifest is None or f.unlinked:
+                return Published.STALE
+            return await self.backing.takeover_manifest(
+                path, manifest, file_id=f.file_id, expect_version=expect_version
+            )
 
     async def setattr(self, ino: int, change: SetAttr, caller: Caller) -> Attr:
         inode = self._inode(ino)

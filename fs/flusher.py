@@ -301,6 +301,8 @@ class Flusher:
     ) -> None:
         what = snap.file.path
         async with self.chunk_limiter:
+            if not self._unchanged(snap):
+                return  # superseded (rewritten, replaced, removed): nothing will publish it
             reader = SnapshotReader(snap, self.cache.arena, self.cache.store, what)
 
             def read_and_hash() -> tuple[str, float]:

@@ -40,6 +40,9 @@ class FileRole(Enum):
 
     LOCAL = "local"  # written on this node: this node flushes it
     MIRROR = "mirror"  # a buddy's file mirrored here: flushed here only on takeover
+    # A mirrored file whose writer died: this node flushes it, and publishes
+    # only over the very version it mirrored (fenced, see docs/STATES.md).
+    TAKEOVER = "takeover"
     REMOTE = "remote"  # written elsewhere: this node only reads it
 
 

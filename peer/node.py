@@ -14,9 +14,13 @@ from functools import partial
 from typing import Any
 
 import trio
+from ckptfs.fs.cache import Cache
+from ckptfs.fs.manifest import Manifest
 
 from .config import PeersConfig, ssl_contexts
 from .membership import HEARTBEAT, Membership
+from .mirror import ROUTES as MIRROR_ROUTES
+from .mirror import MirrorClient, MirrorServer
 from .reads import READ, LocalRead, PeerFetcher, PeerReadError, ReadServer
 from .transport import PeerClient, Request, Response, serve
 
@@ -26,8 +30,18 @@ Route = Callable[[str, Request], Awaitable[Response]]
 
 
 class PeerNode:
-    def __init__(self, config: PeersConfig, local_read: LocalRead) -> None:
+    def __init__(
+        self,
+        config: PeersConfig,
+        local_read: LocalRead,
+        *,
+        cache: Cache,
+        manifest_at: Callable[[str], Awaitable[Manifest | None]],
+        mirror_writes: bool,
+    ) -> None:
         self.config = config
+        self.cache = cache
+        self.mirror_writes = mirror_writes  # durability buddy: stream our files to the buddy
         contexts = ssl_contexts(config)
         self._server_tls, self._client_tls = contexts if contexts else (None, None)
         self.membership = Membership(
@@ -35,10 +49,20 @@ class PeerNode:
         )
         self.reads = ReadServer(local_read)
         self.fetcher: PeerFetcher | None = None  # once running
+        self.mirror_client: MirrorClient | None = None  # once running, with mirror_writes
+        self.mirror_server = MirrorServer(
+            cache,
+            mirrored_for=config.mirrored_for(),
+            timeout=config.timeout,
+            manifest_at=manifest_at,
+            is_alive=self.membership.is_alive,
+        )
         self.routes: dict[str, Route] = {
             HEARTBEAT: self.membership.handle_heartbeat,
             READ: self.reads.handle,
+            **dict.fromkeys(MIRROR_ROUTES, self.mirror_server.handle),
         }
+        self._nursery: trio.Nursery | None = None
         self.port: int | None = None
 
     async def fetch(
@@ -85,6 +109,19 @@ class PeerNode:
             self.fetcher = PeerFetcher(
                 client, addresses, timeout=self.config.timeout, is_alive=self.membership.is_alive
             )
+            if self.mirror_writes:
+                self.mirror_client = MirrorClient(
+                    self.cache,
+                    client,
+                    node=self.config.node,
+                    buddy=self.config.buddy,
+                    address=addresses[self.config.buddy],
+                    timeout=self.config.timeout,
+                    is_alive=self.membership.is_alive,
+                )
+                nursery.start_soon(self.mirror_client.run)
+            nursery.start_soon(self.mirror_server.sweep)
+            self._nursery = nursery
             log.info(
                 "peer server on %s (node %s, buddy %s, %d peer(s))",
                 listen,
@@ -106,14 +143,24 @@ class PeerNode:
 
     def _alive(self, name: str) -> None:
         log.debug("peer %s alive (membership logs the change)", name)
+        if name == self.config.buddy and self.mirror_client is not None and self._nursery:
+            # It may have restarted with none of our mirrors.
+            self._nursery.start_soon(self.mirror_client.resync)
 
     def _dead(self, name: str) -> None:
-        # Takeover of the files it wrote hooks in here (issue 12); the
-        # membership has already logged the death.
-        log.debug("peer %s dead", name)
+        # The membership has already logged the death.
+        if name in self.config.mirrored_for() and self._nursery is not None:
+            self._nursery.start_soon(self.mirror_server.take_over, name)
 
     def stats(self) -> list[dict[str, Any]]:
         return list(self.membership.stats()["peers"])
+
+    def mirror_stats(self) -> dict[str, Any]:
+        return {
+            "writer": self.mirror_client.stats() if self.mirror_client else None,
+            "buddy_for": list(self.config.mirrored_for()),
+            **self.mirror_server.stats(),
+        }
 
     def counters(self) -> dict[str, int]:
         fetched = self.fetcher.stats() if self.fetcher else {}

@@ -36,6 +36,19 @@ def format_stat(s: dict[str, Any]) -> str:
             f"peer:    {p['name']} {p['address']}  {p['state']}  last heartbeat {heard}"
             + ("  (buddy)" if p.get("buddy") else "")
         )
+    mirroring = s.get("mirroring") or {}
+    writer = mirroring.get("writer")
+    if writer:
+        lines.append(
+            f"mirror:  to {writer['buddy']}: {writer['commits']} file(s) mirrored, "
+            f"{human(writer['bytes_sent'])} sent, {writer['fallbacks']} fell back to local"
+            + (f" (last: {writer['fallback_paths'][-1]})" if writer["fallback_paths"] else "")
+        )
+    if mirroring.get("buddy_for"):
+        lines.append(
+            f"buddy:   for {', '.join(mirroring['buddy_for'])}: {mirroring['mirrors']} mirror(s), "
+            f"{human(mirroring['mirrored_bytes'])} held, {mirroring['takeovers']} taken over"
+        )
     if s["files"]:
         lines.append(f"{'STATE':<9} {'SIZE':>10} {'FLUSHED':>8}  PATH")
         for f in s["files"]:

@@ -23,6 +23,10 @@ Each mounts what it measures itself and always unmounts it; run one with
   fsync, its CPU per GiB, and a training loop's slowdown while it runs, per
   ``flush.workers`` and ``flush.bandwidth``.
   ``python -m ckptfs.tools.bench.bench_flush [--size-gib 2] [--runs 3]``
+- ``bench_buddy``: three daemons on loopback: the save with ``durability:
+  buddy`` against local and tmpfs, and a restore from a peer's RAM against
+  one from local RAM.
+  ``python -m ckptfs.tools.bench.bench_buddy [--size-gib 1] [--runs 3]``
 
 ``benchlib`` is what they share (memory warm-up, tables, mounting through the
 CLI, cleanup); it is not a public API.

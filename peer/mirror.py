@@ -1,0 +1,562 @@
+"""Buddy mirroring: a closed file is in two nodes' RAM before close() returns.
+
+The writer's side (:class:`MirrorClient`) streams every full page of a file
+to its buddy while the file is written, straight from the arena with
+sendfile; the page's slot is pinned while it is sent, so a write meanwhile
+copies the page first and the bytes sent always match the generation sent
+with them. At close (``commit``) it sends what is left (the last, partial
+page), then the page table of the snapshot being published: the buddy checks
+that it holds every page at exactly that generation, answers with the pages
+it lacks (sent again), and otherwise takes the content as that version. Only
+then does the pending manifest name both nodes as holders, so a holder named
+in a manifest always has the bytes.
+
+The buddy's side (:class:`MirrorServer`) keeps mirrors in its own arena
+under a quota (``Cache.mirror_quota``). When the quota is full it answers
+``busy`` and the writer waits and retries: a full buddy slows the writer,
+never fails it. A buddy that is down or does not answer within
+``peers.timeout`` makes that file fall back to ``local`` durability: logged,
+counted, shown in ``stat``. The writer tells the buddy to drop a mirror once
+its version is durable or gone.
+
+When the membership declares a writer dead, its buddy takes over every
+mirror of it that was committed: it flushes them and publishes the durable
+manifest fenced, only over exactly the version it mirrored
+(``Backing.takeover_manifest``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+from ckptfs.fs.cache import MAX_FILE_SIZE, Cache
+from ckptfs.fs.cachedfile import CachedFile, ChunkMap, Snapshot
+from ckptfs.fs.manifest import Chunk, Manifest, ManifestError
+from ckptfs.fs.state import FileRole, FileState, MirrorState, PageState
+
+from .transport import PeerClient, PeerConnection, RemoteError, Request, Response
+from .wire import PeerError
+
+log = logging.getLogger("ckptfs.peer.mirror")
+
+PAGE = "mirror.page"
+COMMIT = "mirror.commit"
+RENAME = "mirror.rename"
+DROP = "mirror.drop"
+ROUTES = (PAGE, COMMIT, RENAME, DROP)
+
+# Pages in flight to the buddy at once (the writer's credits): enough to
+# keep a loopback or 25 Gb/s link busy, few enough to bound pinned slots.
+IN_FLIGHT = 8
+# How long a writer keeps retrying a buddy that answers "busy" (quota full)
+# before the file falls back to local durability.
+BUSY_WAIT = 60.0
+BUSY_RETRY = 0.05
+MAX_DROPS = 512  # per request
+MAX_PENDING_DROPS = 100_000  # kept while the buddy is unreachable
+COMMIT_ROUNDS = 3  # commit, resend what the buddy lacks, commit again
+# The buddy's sweep for mirrors nobody told it to drop; a mirror younger than
+# SWEEP_AGE may belong to a commit whose manifest is being written.
+SWEEP_INTERVAL = 10.0
+SWEEP_AGE = 30.0
+
+
+class MirrorFailed(Exception):
+    """The buddy did not take the content: the file falls back to local."""
+
+
+class MirrorClient:
+    """The writer's side, for ``FileSystem.mirror`` and the cache's hooks."""
+
+    def __init__(
+        self,
+        cache: Cache,
+        client: PeerClient,
+        *,
+        node: str,
+        buddy: str,
+        address: tuple[str, int],
+        timeout: float,
+        is_alive: Callable[[str], bool],
+    ) -> None:
+        self.cache = cache
+        self.client = client
+        self.node = node
+        self.buddy = buddy
+        self.address = address
+        self.timeout = timeout
+        self.is_alive = is_alive
+        self._conn: PeerConnection | None = None
+        self._dialing = trio.Lock()
+        self._credits = trio.CapacityLimiter(IN_FLIGHT)
+        self._changed: dict[CachedFile, set[int]] = {}
+        self._acked: dict[str, dict[int, int]] = {}  # mirror id -> page -> generation
+        self._drops: list[tuple[str, str]] = []
+        self._wake = trio.Event()
+        # After a failed request the buddy is taken as down for one timeout:
+        # the other pages and files in flight fail at once instead of each
+        # waiting out its own timeout (a stopped buddy must not stall close()).
+        self._down_until = 0.0
+        self._down_reason = ""
+        # Counters for `stat`.
+        self.pages_sent = 0
+        self.bytes_sent = 0
+        self.commits = 0
+        self.fallbacks = 0
+        self.fallback_paths: list[str] = []
+
+    # ----- hooks (synchronous, from the cache) ------------------------------------
+    def changed(self, f: CachedFile, p: int) -> None:
+        """Page ``p`` of a LOCAL file changed: stream it once it is full."""
+        if f.mirror is MirrorState.FALLBACK:
+            return
+        if f.mirror is MirrorState.NONE:
+            self.cache.set_mirror(f, MirrorState.STREAMING)
+        self._changed.setdefault(f, set()).add(p)
+        self._wake.set()
+
+    def done(self, mid: str, version: str) -> None:
+        """The buddy may drop mirror ``mid`` (at ``version``; "" = any)."""
+        self._acked.pop(mid, None)
+        self._drops.append((mid, version))
+        self._wake.set()
+
+    # ----- commit and rename (the filesystem waits for these) --------------------
+    async def commit(self, snap: Snapshot, manifest: Manifest) -> list[str]:
+        """Have the buddy hold exactly ``snap``; the holders for its manifest."""
+        f = snap.file
+        self._changed.pop(f, None)
+        if f.mirror is MirrorState.FALLBACK:
+            return [self.node]
+        if not self.is_alive(self.buddy):
+            self._fall_back(f, f"buddy {self.buddy} is down")
+            return [self.node]
+        manifest.holders = [self.node, self.buddy]
+        try:
+            await self._commit(snap, manifest)
+        except MirrorFailed as exc:
+            if f.content_gen != snap.content_gen:
+                return [self.node]  # changed meanwhile: the next commit mirrors it
+            self._fall_back(f, str(exc))
+            return [self.node]
+        self.commits += 1
+        if f.content_gen == snap.content_gen:
+            self.cache.set_mirror(f, MirrorState.ACKED)
+        return [self.node, self.buddy]
+
+    async def _commit(self, snap: Snapshot, manifest: Manifest) -> None:
+        f = snap.file
+        ram = {
+            p: (pg.gen, pg.fill)
+            for p, pg in snap.pages.items()
+            if pg.in_ram and pg.state is PageState.DIRTY
+        }
+        spilled = [
+            [p, pg.chunk.offset, pg.chunk.length, pg.chunk.hash, pg.fill]
+            for p, pg in snap.pages.items()
+            if pg.state is PageState.SPILLED and pg.chunk is not None
+        ]
+        body = json.dumps(
+            {
+                "manifest": manifest.to_bytes().decode(),
+                "path": f.path,
+                "uid": f.uid,
+                "gid": f.gid,
+                "ram": [[p, gen, fill] for p, (gen, fill) in ram.items()],
+                "spilled": spilled,
+                "base": [[c.offset, c.length, c.hash] for c in snap.base.chunks],
+                "base_end": snap.base.end,
+            },
+            separators=(",", ":"),
+        ).encode()
+        acked = self._acked.setdefault(f.mirror_id, {})
+        todo = [p for p, (gen, _fill) in ram.items() if acked.get(p) != gen]
+        for _round in range(COMMIT_ROUNDS):
+            await self._send_pages(f, {p: ram[p][0] for p in todo})
+            response = await self._request(COMMIT, {"mid": f.mirror_id}, body)
+            missing = response.meta.get("missing") or []
+            if not missing:
+                return
+            todo = [int(p) for p in missing if int(p) in ram]
+            for p in todo:
+                acked.pop(p, None)
+        raise MirrorFailed(f"buddy {self.buddy} still lacks pages after {COMMIT_ROUNDS} rounds")
+
+    async def _send_pages(self, f: CachedFile, want: dict[int, int]) -> None:
+        """Send pages at exactly the generations in ``want``; MirrorFailed if
+        a page has changed since (the content being committed is gone)."""
+        failures: list[str] = []
+
+        async def one(p: int, gen: int, cancel: trio.CancelScope) -> None:
+            try:
+                if not await self._send_page(f, p, expect_gen=gen):
+                    failures.append(f"page {p} of {f.path} changed while it was mirrored")
+            except MirrorFailed as exc:
+                failures.append(str(exc))
+            if failures:
+                cancel.cancel()  # the commit fails whatever the other pages do
+
+        async with trio.open_nursery() as nursery:
+            for p, gen in sorted(want.items()):
+                nursery.start_soon(one, p, gen, nursery.cancel_scope)
+        if failures:
+            raise MirrorFailed(failures[0])
+
+    async def _send_page(self, f: CachedFile, p: int, expect_gen: int | None = None) -> bool:
+        """Send page ``p`` as it is now; False if it is not the generation expected."""
+        async with self._credits:
+            page = f.pages.get(p)
+            if page is None or not page.in_ram or page.state is not PageState.DIRTY:
+                return expect_gen is None
+            gen, fill, slot = page.gen, page.fill, page.slot
+            if expect_gen is not None and gen != expect_gen:
+                return False
+            acked = self._acked.setdefault(f.mirror_id, {})
+            if acked.get(p) == gen:
+                return True
+            meta = {"mid": f.mirror_id, "file_id": f.file_id, "page": p, "gen": gen}
+            ps = self.cache.page_size
+            arena = self.cache.arena
+            arena.pin(slot)  # a write meanwhile copies the page: these bytes stay `gen`
+            try:
+                deadline = trio.current_time() + BUSY_WAIT
+                while True:
+                    response = await self._request(
+                        PAGE, meta, payload_file=(arena.fd, slot * ps, fill)
+                    )
+                    if not response.meta.get("busy"):
+                        break
+                    if trio.current_time() > deadline:
+                        raise MirrorFailed(f"buddy {self.buddy} had no room for {BUSY_WAIT:g}s")
+                    await trio.sleep(BUSY_RETRY)
+            finally:
+                arena.unpin(slot)
+            if acked.get(p, -1) < gen:
+                acked[p] = gen
+            self.pages_sent += 1
+            self.bytes_sent += fill
+            return True
+
+    async def renamed(self, files: list[CachedFile]) -> None:
+        """Tell the buddy the new paths of mirrored files (before rename returns)."""
+        for f in files:
+            if f.mirror in (MirrorState.NONE, MirrorState.FALLBACK) or f.role is not FileRole.LOCAL:
+                continue
+            try:
+                await self._request(RENAME, {"mid": f.mirror_id, "path": f.path})
+            except MirrorFailed as exc:
+                self._fall_back(f, str(exc))
+
+    # ----- background: stream full pages, send drops ------------------------------
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            while True:
+                # Undelivered drops are retried now and then, besides on wake.
+                with trio.move_on_after(max(self.timeout, 1.0) if self._drops else math.inf):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+                if self._drops:
+                    nursery.start_soon(self._send_drops)
+                if not self.is_alive(self.buddy):
+                    continue  # the commit falls back; nothing to stream to
+                for f, pages in list(self._changed.items()):
+                    full = [
+                        p
+                        for p in pages
+                        if (pg := f.pages.get(p)) is not None and pg.fill == self.cache.page_size
+                    ]
+                    for p in full:
+                        pages.discard(p)
+                        nursery.start_soon(self._stream, f, p)
+                    if not pages:
+                        self._changed.pop(f, None)
+                # Let sends take credits before looking again.
+                await trio.sleep(0)
+
+    async def _stream(self, f: CachedFile, p: int) -> None:
+        if f.mirror is MirrorState.FALLBACK or f.state is FileState.UNLINKED:
+            return
+        try:
+            await self._send_page(f, p)
+        except MirrorFailed as exc:
+            # The commit sends it again, or falls back if the buddy is gone.
+            log.debug("streaming page %d of %s failed: %s", p, f.path, exc)
+
+    async def _send_drops(self) -> None:
+        drops, self._drops = self._drops[:MAX_DROPS], self._drops[MAX_DROPS:]
+        try:
+            await self._request(DROP, {"drops": [list(d) for d in drops]})
+        except MirrorFailed as exc:
+            # Sent again when the buddy is back (resync). Past the bound, the
+            # buddy's own sweep drops mirrors that are no longer pending: a
+            # lost drop costs it memory for a while, never bytes.
+            self._drops = [*drops, *self._drops][-MAX_PENDING_DROPS:]
+            log.info("buddy %s not told yet to drop %d mirror(s): %s", self.buddy, len(drops), exc)
+            return
+        if self._drops:
+            self._wake.set()
+
+    # ----- the connection --------------------------------------------------------
+    async def _request(
+        self,
+        rtype: str,
+        meta: dict[str, Any],
+        payload: bytes = b"",
+        *,
+        payload_file: tuple[int, int, int] | None = None,
+    ) -> Response:
+        if trio.current_time() < self._down_until:
+            raise MirrorFailed(self._down_reason)
+        try:
+            conn = await self._connection()
+            response = await conn.request(
+                rtype, meta, payload, payload_file=payload_file, timeout=self.timeout
+            )
+            return response.check()
+        except RemoteError as exc:
+            raise MirrorFailed(f"buddy {self.buddy} refused: {exc}") from None
+        except (PeerError, OSError, trio.TooSlowError) as exc:
+            self._down_until = trio.current_time() + self.timeout
+            self._down_reason = f"buddy {self.buddy}: {exc}"
+            await self._forget()
+            raise MirrorFailed(self._down_reason) from None
+
+    async def _connection(self) -> PeerConnection:
+        async with self._dialing:
+            if self._conn is not None and self._conn.close_reason is None:
+                return self._conn
+            if trio.current_time() < self._down_until:
+                raise MirrorFailed(self._down_reason)  # failed while we waited to dial
+            host, port = self.address
+            self._conn = await self.client.connect(
+                host, port, expect_node=self.buddy, timeout=self.timeout
+            )
+            return self._conn
+
+    async def _forget(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with trio.move_on_after(self.timeout):
+                await conn.aclose()
+
+    def _fall_back(self, f: CachedFile, reason: str) -> None:
+        self._changed.pop(f, None)
+        if f.mirror is MirrorState.FALLBACK:
+            return
+        self.cache.set_mirror(f, MirrorState.FALLBACK)
+        self.fallbacks += 1
+        self.fallback_paths = [*self.fallback_paths[-99:], f.path]
+        log.warning(
+            "%s is not mirrored (%s): it is safe against a crash of this daemon, "
+            "not of this node, until it is durable",
+            f.path,
+            reason,
+        )
+
+    async def resync(self) -> int:
+        """The buddy came back (it may have restarted empty): mirror again
+        every pending file it was holding. Returns how many it holds now."""
+        files = [
+            f
+            for f in self.cache.all_files()
+            if f.role is FileRole.LOCAL
+            and f.state is FileState.PENDING
+            and f.mirror is MirrorState.ACKED
+        ]
+        held = 0
+        self._down_until = 0.0  # the membership heard from it
+        self._wake.set()  # drops it missed while it was away
+        for f in files:
+            self._acked.pop(f.mirror_id, None)
+            snap = self.cache.journal_snapshot(f)
+            manifest = Manifest(
+                f.file_id, f.version, f.size, f.mode, f.mtime_ns, "pending", list(f.holders),
+                chunking=f.chunking, atime_ns=f.atime_ns,
+            )  # fmt: skip
+            try:
+                await self._commit(snap, manifest)
+                held += 1
+            except MirrorFailed as exc:
+                if f.state is FileState.PENDING and f.content_gen == snap.content_gen:
+                    self._fall_back(f, str(exc))
+        if files:
+            log.info("buddy %s is back: %d of %d pending file(s) mirrored again",
+                     self.buddy, held, len(files))  # fmt: skip
+        return held
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "buddy": self.buddy,
+            "pages_sent": self.pages_sent,
+            "bytes_sent": self.bytes_sent,
+            "commits": self.commits,
+            "fallbacks": self.fallbacks,
+            "fallback_paths": list(self.fallback_paths[-10:]),
+        }
+
+
+class MirrorServer:
+    """The buddy's side: holds the mirrors of the nodes whose buddy it is."""
+
+    def __init__(
+        self,
+        cache: Cache,
+        *,
+        mirrored_for: tuple[str, ...],
+        timeout: float,
+        manifest_at: Callable[[str], Awaitable[Manifest | None]],
+        is_alive: Callable[[str], bool],
+    ) -> None:
+        self.cache = cache
+        self.mirrored_for = mirrored_for
+        self.timeout = timeout
+        self.manifest_at = manifest_at
+        self.is_alive = is_alive
+        self.takeovers = 0
+        self.dropped_uncommitted = 0
+
+    def _refuse(self, peer: str) -> Response | None:
+        if peer not in self.mirrored_for:
+            return Response.fail(f"this node is not {peer}'s buddy")
+        return None
+
+    async def handle(self, peer: str, request: Request) -> Response:
+        refused = self._refuse(peer)
+        if refused is not None:
+            return refused
+        try:
+            if request.type == PAGE:
+                return await self._page(peer, request)
+            if request.type == COMMIT:
+                return self._commit(peer, request)
+            if request.type == RENAME:
+                ok = self.cache.mirror_rename(
+                    peer, str(request.meta["mid"]), str(request.meta["path"])
+                )
+                return Response(meta={"known": ok})
+            if request.type == DROP:
+                dropped = 0
+                for mid, version in request.meta["drops"]:
+                    dropped += self.cache.mirror_drop(peer, str(mid), str(version))
+                return Response(meta={"dropped": dropped})
+        except (KeyError, TypeError, ValueError, ManifestError) as exc:
+            return Response.fail(f"malformed {request.type} request: {exc}")
+        except OSError as exc:
+            return Response.fail(str(exc))
+        return Response.fail(f"unknown mirror request {request.type!r}")
+
+    async def _page(self, peer: str, request: Request) -> Response:
+        meta = request.meta
+        mid, file_id = str(meta["mid"]), str(meta["file_id"])
+        p, gen = int(meta["page"]), int(meta["gen"])
+        if not 0 <= p < MAX_FILE_SIZE // self.cache.page_size:
+            return Response.fail(f"page {p} is out of bounds")
+        if len(request.payload) > self.cache.page_size:
+            return Response.fail(f"page of {len(request.payload)} bytes is over the page size")
+        held = await self.cache.mirror_page(
+            peer, mid, file_id, p, gen, request.payload, timeout=self.timeout / 2
+        )
+        return Response(meta={"busy": not held})
+
+    def _commit(self, peer: str, request: Request) -> Response:
+        body = json.loads(bytes(request.payload))
+        manifest = Manifest.from_bytes(str(body["manifest"]).encode(), "mirrored manifest")
+        ram = {int(p): (int(gen), int(fill)) for p, gen, fill in body["ram"]}
+        spilled = {
+            int(p): Chunk(int(off), int(length), str(digest))
+            for p, off, length, digest, _fill in body["spilled"]
+        }
+        base = ChunkMap.of(
+            [Chunk(int(o), int(n), str(h)) for o, n, h in body["base"]], int(body["base_end"])
+        )
+        missing = self.cache.mirror_commit(
+            peer,
+            str(request.meta["mid"]),
+            manifest,
+            str(body["path"]),
+            int(body["uid"]),
+            int(body["gid"]),
+            ram,
+            spilled,
+            base,
+        )
+        return Response(meta={"missing": missing})
+
+    async def take_over(self, origin: str) -> int:
+        """``origin`` died: flush every version of it mirrored here that is
+        still pending at its path. (A version already durable or replaced
+        there needs nothing; the fenced publish is what guarantees it, this
+        look only saves hashing a checkpoint for nothing.)"""
+        taken = 0
+        for f in self.cache.mirrors_of(origin):
+            if f.role is not FileRole.MIRROR:
+                continue
+            if f.state is FileState.PENDING:
+                try:
+                    m = await self.manifest_at(f.path)
+                except (OSError, ManifestError):
+                    m = None
+                if f.role is not FileRole.MIRROR:
+                    continue  # changed hands while we looked
+                if m is None or m.version != f.version or m.state != "pending":
+                    log.info("not taking over %s from %s: no longer pending there",
+                             f.path, origin)  # fmt: skip
+                    self.cache.mirror_drop(origin, f.mirror_id, f.version)
+                    continue
+            if self.cache.take_over(f):
+                taken += 1
+                log.warning(
+                    "taking over %s (version %s) from %s: flushing it from this buddy",
+                    f.path,
+                    f.version,
+                    origin,
+                )
+            else:
+                self.dropped_uncommitted += 1
+        self.takeovers += taken
+        log.info("peer %s dead: took over %d mirrored file(s)", origin, taken)
+        return taken
+
+    async def sweep(self) -> None:
+        """Background: drop mirrors whose version is no longer pending at its
+        path (durable, replaced, removed) though no drop came (a lost drop,
+        a writer that restarted). A dead writer's mirrors are the takeover's."""
+        while True:
+            await trio.sleep(SWEEP_INTERVAL)
+            now = time.time()
+            for f in list(self.cache.mirrors.values()):
+                if (
+                    f.role is not FileRole.MIRROR
+                    or f.state is not FileState.PENDING
+                    or not self.is_alive(f.origin)
+                    or now - (f.closed_at or now) < SWEEP_AGE
+                ):
+                    continue
+                try:
+                    m = await self.manifest_at(f.path)
+                except (OSError, ManifestError):
+                    m = None
+                if m is not None and m.version == f.version and m.state == "pending":
+                    continue
+                if self.cache.mirror_drop(f.origin, f.mirror_id, f.version):
+                    log.info("dropped the mirror of %s from %s: no longer pending there",
+                             f.path, f.origin)  # fmt: skip
+
+    def stats(self) -> dict[str, Any]:
+        mirrors = list(self.cache.mirrors.values())
+        return {
+            "mirrored_bytes": self.cache.mirrored_bytes(),
+            "mirrors": len(mirrors),
+            "mirrored_files": sorted(
+                f"{f.origin}:{f.path or f.file_id}" for f in mirrors if f.state is FileState.PENDING
+            )[:50],
+            "takeovers": self.takeovers,
+            "dropped_uncommitted": self.dropped_uncommitted,
+            "at": time.time(),
+        }

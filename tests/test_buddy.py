@@ -1,0 +1,247 @@
+"""Buddy mirroring and takeover, with real daemons on this machine.
+
+Each node has its own mountpoint, cache and loopback port; they share one
+backing directory (the NFS stand-in). The ring n1 -> n2 -> n3 -> n1 makes n2
+the buddy of n1, n3 of n2 and n1 of n3.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from ckptfs.fs.manifest import read_manifest
+from conftest import Mount, wait_for
+from test_peers_mount import cluster_config, free_port, peers_of
+
+MiB = 1 << 20
+SLOW = "32KiB"  # a flush cap that keeps a file pending for the whole test
+PEER_LOGS = ["lost connection to peer", "peer 'n", "dropped connection from peer"]
+
+
+def cluster(mounts, tmp_path: Path, names: list[str], env: dict[str, dict[str, str]]):
+    ports = {name: free_port() for name in names}
+    config = cluster_config(tmp_path, ports)
+    nodes = {name: mounts(name) for name in names}
+    for name, m in nodes.items():
+        m.mount("--config", str(config), "--node", name, env=env.get(name, {}))
+    for name, m in nodes.items():
+        wait_for(
+            lambda m=m, name=name: all(p["alive"] for p in peers_of(m).values()),
+            30,
+            f"{name} sees every peer alive",
+        )
+    return nodes
+
+
+def file_info(m: Mount, rel: str) -> dict | None:
+    return {f["path"]: f for f in m.stat()["files"]}.get(rel)
+
+
+def chunk_files(backing: Path) -> list[Path]:
+    root = backing / ".ckptfs" / "chunks"
+    return [p for p in root.rglob("*") if p.is_file()] if root.exists() else []
+
+
+def test_a_closed_file_is_in_its_buddys_ram_and_read_from_peers_before_any_flush(mounts, tmp_path):
+    slow = {"CKPTFS_FLUSH_BANDWIDTH": SLOW, "CKPTFS_CHUNK_SIZE": "1MiB"}
+    nodes = cluster(mounts, tmp_path, ["n1", "n2", "n3"], {n: slow for n in ("n1", "n2", "n3")})
+    n1, n2, n3 = nodes["n1"], nodes["n2"], nodes["n3"]
+    data = os.urandom(6 * MiB + 4321)
+    start = time.monotonic()
+    (n1.mnt / "ckpt.pt").write_bytes(data)
+    info = file_info(n1, "ckpt.pt")
+    assert info is not None and info["holders"] == ["n1", "n2"], info
+    assert info["mirror"] == "acked" and info["state"] in ("mirrored", "flushing"), info
+    mirroring = n2.stat()["mirroring"]
+    assert mirroring["mirrored_bytes"] >= len(data) and mirroring["mirrors"] == 1, mirroring
+    assert "mirror:  to n2: 1 file(s) mirrored" in n1.cli("stat", str(n1.mnt)).stdout
+    assert "buddy:   for n1: 1 mirror(s)" in n2.cli("stat", str(n2.mnt)).stdout
+    writer = n1.stat()["mirroring"]["writer"]
+    assert writer["buddy"] == "n2" and writer["bytes_sent"] >= len(data) and not writer["fallbacks"]
+    assert time.monotonic() - start < 30
+
+    # The buddy reads it from its own RAM, another node from a holder: no
+    # chunk is read from the backing store by either.
+    assert (n2.mnt / "ckpt.pt").read_bytes() == data
+    assert (n3.mnt / "ckpt.pt").read_bytes() == data
+    assert n2.stat()["peer_reads"]["bytes_fetched"] == 0
+    assert n3.stat()["peer_reads"]["bytes_fetched"] >= len(data)
+    for m in (n2, n3):
+        assert m.stat()["cache"]["chunk_reads"] == 0
+    for m in nodes.values():
+        # Torn down with the flush still capped: n1 leaves data not durable
+        # and its buddy takes it over.
+        m.allowed_log += PEER_LOGS + ["not yet durable", "taking over", "is dead"]
+
+
+def test_kill_9_of_the_writer_after_close_its_buddy_makes_the_files_durable(mounts, tmp_path):
+    """close() returned, then the writer's node died: its buddy flushes what
+    it mirrors (also a file renamed after close, as torch.save to a temporary
+    name and os.replace do), and a third node reads identical bytes."""
+    nodes = cluster(mounts, tmp_path, ["n1", "n2", "n3"], {"n1": {"CKPTFS_FLUSH_BANDWIDTH": SLOW}})
+    n1, n2, n3 = nodes["n1"], nodes["n2"], nodes["n3"]
+    (n1.mnt / "run").mkdir()
+    files = {"run/model.pt": os.urandom(5 * MiB + 17), "run/optim.pt": os.urandom(3 * MiB + 5)}
+    for rel, data in files.items():
+        tmp = n1.mnt / (rel + ".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, n1.mnt / rel)
+    for rel in files:
+        info = file_info(n1, rel)
+        assert info is not None and info["holders"] == ["n1", "n2"], info
+    n1.kill()
+    for m in (n2, n3):
+        m.allowed_log += PEER_LOGS + ["is dead", "taking over"]
+
+    def durable() -> bool:
+        for rel in files:
+            m = read_manifest(n1.backing / rel)
+            if m is None or m.state != "durable":
+                return False
+        return True
+
+    wait_for(durable, 60, "the buddy made n1's files durable")
+    for rel, data in files.items():
+        m = read_manifest(n1.backing / rel)
+        assert m is not None and m.holders == ["n2"], m
+        assert (n3.mnt / rel).read_bytes() == data
+    assert "taking over run/model.pt" in n2.log()
+    assert n2.stat()["mirroring"]["takeovers"] == 2
+    assert not (n1.backing / "run" / "model.pt.tmp").exists()
+
+
+def test_a_stopped_buddy_makes_the_writer_fall_back_not_hang(mounts, tmp_path):
+    nodes = cluster(mounts, tmp_path, ["n1", "n2"], {})
+    n1, n2 = nodes["n1"], nodes["n2"]
+    assert n2.pid is not None
+    os.kill(n2.pid, signal.SIGSTOP)
+    try:
+        data = os.urandom(4 * MiB + 99)
+        start = time.monotonic()
+        (n1.mnt / "a.pt").write_bytes(data)
+        first = time.monotonic() - start
+        start = time.monotonic()
+        (n1.mnt / "b.pt").write_bytes(data)
+        second = time.monotonic() - start
+        # peers.timeout is 1.5 s: one timed-out request, then the buddy is dead.
+        assert first < 10 and second < 10, (first, second)
+        n1.wait_durable()
+        writer = n1.stat()["mirroring"]["writer"]
+        assert writer["fallbacks"] >= 1 and "a.pt" in writer["fallback_paths"], writer
+        assert (n1.mnt / "a.pt").read_bytes() == data
+        assert "a.pt is not mirrored" in n1.log()
+    finally:
+        os.kill(n2.pid, signal.SIGCONT)
+    n1.allowed_log += PEER_LOGS + ["is not mirrored", "is dead", "timed out"]
+    # n2 wakes up to the connections n1 gave up on meanwhile.
+    n2.allowed_log += PEER_LOGS + ["is dead", "timed out", "refused peer connection"]
+
+
+def test_a_partitioned_writer_and_its_takeover_never_publish_older_over_newer(mounts, tmp_path):
+    """n1 stops (as if partitioned) after closing V1; n2 declares it dead and
+    takes V1 over, slowly. n1 comes back and writes V2 at the same path.
+    The takeover's fenced publish must not put V1 over V2."""
+    nodes = cluster(
+        mounts,
+        tmp_path,
+        ["n1", "n2"],
+        {
+            # Both flush 1 MiB chunks slowly: n1 is still flushing V1 (about
+            # 30 s) and n2's takeover of V1 takes about 15 s, while V2 comes
+            # about 3 s after V1.
+            "n1": {"CKPTFS_FLUSH_BANDWIDTH": "128KiB", "CKPTFS_CHUNK_SIZE": "1MiB"},
+            "n2": {"CKPTFS_FLUSH_BANDWIDTH": "256KiB", "CKPTFS_CHUNK_SIZE": "1MiB"},
+        },
+    )
+    n1, n2 = nodes["n1"], nodes["n2"]
+    v1 = os.urandom(4 * MiB + 1)
+    (n1.mnt / "ckpt.pt").write_bytes(v1)
+    m1 = read_manifest(n1.backing / "ckpt.pt")
+    assert m1 is not None and m1.holders == ["n1", "n2"]
+    assert n1.pid is not None
+    os.kill(n1.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: "taking over ckpt.pt" in n2.log(), 30, "n2 takes over V1")
+    finally:
+        os.kill(n1.pid, signal.SIGCONT)
+    v2 = os.urandom(200_000)
+    (n1.mnt / "ckpt.pt").write_bytes(v2)
+    m2 = read_manifest(n1.backing / "ckpt.pt")
+    assert m2 is not None and m2.version != m1.version
+
+    seen = []
+
+    def settled() -> bool:
+        m = read_manifest(n1.backing / "ckpt.pt")
+        assert m is not None
+        seen.append(m.version)
+        assert m.version != m1.version, "the takeover published V1 over V2"
+        return "rewritten elsewhere" in n2.log() or "ckpt.pt changed" in n2.log()
+
+    wait_for(settled, 60, "n2's takeover of V1 gives up")
+    n1.wait_durable()
+    m = read_manifest(n1.backing / "ckpt.pt")
+    assert m is not None and m.version == m2.version and m.state == "durable"
+    assert (n1.mnt / "ckpt.pt").read_bytes() == v2
+    assert (n2.mnt / "ckpt.pt").read_bytes() == v2
+    for m_ in (n1, n2):
+        m_.allowed_log += PEER_LOGS + ["is dead", "taking over", "is not mirrored", "timed out"]
+    n2.allowed_log += ["refused peer connection"]
+
+
+MEGATRON = textwrap.dedent(
+    """
+    import os, sys, torch
+    mnt, rank, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    d = os.path.join(mnt, "iter_0000100", f"mp_rank_{rank:02d}")
+    g = torch.Generator().manual_seed(1000 + rank)
+    want = {"w": torch.randn(256, 1024, generator=g), "step": 100, "rank": rank}
+    if mode == "save":
+        os.makedirs(d, exist_ok=True)
+        torch.save(want, os.path.join(d, "model_optim_rng.pt"))
+    else:
+        it = open(os.path.join(mnt, "latest_checkpointed_iteration.txt")).read().strip()
+        assert it == "100", it
+        got = torch.load(os.path.join(d, "model_optim_rng.pt"))
+        assert torch.equal(got["w"], want["w"]) and got["rank"] == rank
+    """
+)
+
+
+def test_megatron_pattern_across_nodes_restarts_on_other_nodes(mounts, tmp_path):
+    """Each rank saves its shard on its own node, rank 0 writes the tracker
+    after the barrier; n3 dies; the restart runs rank r on another node."""
+    nodes = cluster(
+        mounts,
+        tmp_path,
+        ["n1", "n2", "n3"],
+        # n3's shard (1 MiB of tensor data) stays pending: its second chunk waits 8 s.
+        {"n3": {"CKPTFS_FLUSH_BANDWIDTH": SLOW, "CKPTFS_CHUNK_SIZE": "256KiB"}},
+    )
+    script = tmp_path / "megatron.py"
+    script.write_text(MEGATRON)
+    order = ["n1", "n2", "n3"]
+
+    def run(rank: int, node: str, mode: str) -> None:
+        subprocess.run(
+            [sys.executable, str(script), str(nodes[node].mnt), str(rank), mode],
+            check=True,
+            timeout=120,
+        )
+
+    for rank, node in enumerate(order):
+        run(rank, node, "save")
+    (nodes["n1"].mnt / "latest_checkpointed_iteration.txt").write_text("100")
+    nodes["n3"].kill()
+    for m in (nodes["n1"], nodes["n2"]):
+        m.allowed_log += PEER_LOGS + ["is dead", "taking over"]
+    # n3's shard was mirrored on n1 (its buddy), which takes it over.
+    wait_for(lambda: "taking over iter_0000100" in nodes["n1"].log(), 30, "n1 takes over")
+    for rank, node in enumerate(["n2", "n1", "n2"]):
+        run(rank, node, "load")

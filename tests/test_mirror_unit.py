@@ -1,0 +1,206 @@
+"""Buddy mirroring and the takeover's fenced publish, without FUSE or sockets."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import trio
+from ckptfs.fs import backing as backing_mod
+from ckptfs.fs.arena import Arena
+from ckptfs.fs.backing import Backing
+from ckptfs.fs.blocking import BackingIO
+from ckptfs.fs.cache import Cache
+from ckptfs.fs.cachedfile import ChunkMap
+from ckptfs.fs.chunkstore import ChunkStore
+from ckptfs.fs.journal import Journal
+from ckptfs.fs.manifest import Manifest, read_manifest, write_manifest
+from ckptfs.fs.state import FileRole, FileState, Published
+
+MiB = 1 << 20
+
+
+def pending(file_id: str, version: str, holders: list[str]) -> Manifest:
+    return Manifest(file_id, version, 10, 0o644, 1, "pending", holders)
+
+
+def durable(file_id: str, version: str) -> Manifest:
+    return Manifest(file_id, version, 0, 0o644, 1, "durable", ["n2"])
+
+
+def test_a_takeover_publishes_only_over_the_version_it_mirrored(tmp_path: Path):
+    (tmp_path / "d").mkdir()
+    write_manifest(tmp_path / "d" / "a.pt", pending("f1", "v1", ["n1", "n2"]))
+
+    async def main() -> None:
+        b = Backing(tmp_path, BackingIO(5))
+        # Another version there (the writer published a newer one): it stays.
+        write_manifest(tmp_path / "d" / "a.pt", pending("f1", "v2", ["n1"]))
+        r = await b.takeover_manifest("d/a.pt", durable("f1", "v1"), file_id="f1",
+                                      expect_version="v1")  # fmt: skip
+        assert r is Published.STALE
+        assert read_manifest(tmp_path / "d" / "a.pt").version == "v2"
+        # Another file at the name: not ours.
+        write_manifest(tmp_path / "d" / "a.pt", pending("f9", "v1", ["n3"]))
+        r = await b.takeover_manifest("d/a.pt", durable("f1", "v1"), file_id="f1",
+                                      expect_version="v1")  # fmt: skip
+        assert r is Published.NAME_GONE
+        assert read_manifest(tmp_path / "d" / "a.pt").file_id == "f9"
+        # No name at all.
+        r = await b.takeover_manifest("d/b.pt", durable("f1", "v1"), file_id="f1",
+                                      expect_version="v1")  # fmt: skip
+        assert r is Published.NAME_GONE
+        # Exactly the mirrored version: published, owner kept, no leftovers.
+        write_manifest(tmp_path / "d" / "a.pt", pending("f1", "v1", ["n1", "n2"]), owner=(7, 8))
+        r = await b.takeover_manifest("d/a.pt", durable("f1", "v1"), file_id="f1",
+                                      expect_version="v1")  # fmt: skip
+        assert r is Published.DONE
+        m = read_manifest(tmp_path / "d" / "a.pt")
+        assert m.state == "durable" and m.version == "v1" and m.holders == ["n2"]
+        st = os.stat(tmp_path / "d" / "a.pt")
+        assert (st.st_uid, st.st_gid, st.st_nlink) == (7, 8, 1)
+        assert os.listdir(tmp_path / "d") == ["a.pt"]
+        assert os.listdir(tmp_path / ".ckptfs" / "fence") == []
+
+    trio.run(main)
+
+
+def _race(tmp_path: Path, monkeypatch, writer_publishes) -> tuple[Published, Published]:
+    """Run a takeover of v1 and stop it right after it moved the manifest
+    aside; ``writer_publishes(backing)`` runs then, in that instant."""
+    write_manifest(tmp_path / "a.pt", pending("f1", "v1", ["n1", "n2"]))
+    moved_aside = threading.Event()
+    carry_on = threading.Event()
+    real_read = backing_mod.read_manifest
+
+    def slow_read(path, *, dir_fd=None):  # the takeover's read of the moved-aside manifest
+        if ".ckptfs-tmp." in str(path) and not moved_aside.is_set():
+            moved_aside.set()
+            assert carry_on.wait(10)
+        return real_read(path, dir_fd=dir_fd)
+
+    monkeypatch.setattr(backing_mod, "read_manifest", slow_read)
+    results: dict[str, Published] = {}
+
+    async def main() -> None:
+        b = Backing(tmp_path, BackingIO(30))
+
+        async def takeover() -> None:
+            results["takeover"] = await b.takeover_manifest(
+                "a.pt", durable("f1", "v1"), file_id="f1", expect_version="v1"
+            )
+
+        async def writer() -> None:
+            await trio.to_thread.run_sync(moved_aside.wait)
+            assert not (tmp_path / "a.pt").exists()  # the instant the name is missing
+
+            def release_soon() -> None:
+                time.sleep(0.2)
+                carry_on.set()
+
+            threading.Thread(target=release_soon).start()
+            results["writer"] = await writer_publishes(b)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(takeover)
+            nursery.start_soon(writer)
+
+    trio.run(main)
+    assert read_manifest(tmp_path / "a.pt").version == "v2"  # the newer version stays
+    assert sorted(os.listdir(tmp_path)) == [".ckptfs", "a.pt"]  # nothing left aside
+    return results["takeover"], results["writer"]
+
+
+def test_a_publish_that_lands_while_the_name_is_aside_wins(tmp_path: Path, monkeypatch):
+    """The writer's rename of V2 lands in the instant the takeover has V1
+    moved aside: the takeover's link(2) fails and V2 stays."""
+
+    async def rename_in(b: Backing) -> Published:
+        await trio.to_thread.run_sync(write_manifest, tmp_path / "a.pt", pending("f1", "v2", []))
+        return Published.DONE
+
+    takeover, _ = _race(tmp_path, monkeypatch, rename_in)
+    assert takeover is Published.STALE
+
+
+def test_a_publish_that_finds_the_name_aside_waits_for_the_fence(tmp_path: Path, monkeypatch):
+    """The writer's publish finds the name missing: it waits for the fence
+    instead of calling the name gone; the takeover's V1 lands first and the
+    writer's V2 replaces it (order kept, nothing lost)."""
+
+    async def publish(b: Backing) -> Published:
+        return await b.replace_manifest("a.pt", pending("f1", "v2", ["n1"]), (0, 0), file_id="f1")
+
+    takeover, writer = _race(tmp_path, monkeypatch, publish)
+    assert (takeover, writer) == (Published.DONE, Published.DONE)
+
+
+def make_cache(tmp_path: Path, name: str = "n2") -> Cache:
+    arena = Arena(tmp_path / f"arena-{name}", 8 * MiB)
+    store = ChunkStore(tmp_path / "backing")
+    return Cache(arena, store, BackingIO(10), Journal(tmp_path / f"journal-{name}"), node=name)
+
+
+def test_a_mirror_serves_a_version_only_once_its_page_table_matches(tmp_path: Path):
+    async def main() -> None:
+        cache = make_cache(tmp_path)
+        queued = []
+        cache.on_pending = queued.append
+        page0, page1 = os.urandom(MiB), os.urandom(1000)
+        assert await cache.mirror_page("n1", "m1", "f1", 0, 5, memoryview(page0), timeout=1)
+        m = Manifest("f1", "v1", MiB + 1000, 0o644, 1, "pending", ["n1", "n2"])
+        # Page 1 never arrived, page 0 at another generation: both asked for again.
+        ram = {0: (6, MiB), 1: (7, 1000)}
+        assert cache.mirror_commit("n1", "m1", m, "a.pt", 0, 0, ram, {}, ChunkMap()) == [0, 1]
+        assert cache.held_version("f1", "v1") is None
+        assert await cache.mirror_page("n1", "m1", "f1", 0, 6, memoryview(page0), timeout=1)
+        assert await cache.mirror_page("n1", "m1", "f1", 1, 7, memoryview(page1), timeout=1)
+        assert cache.mirror_commit("n1", "m1", m, "a.pt", 0, 0, ram, {}, ChunkMap()) == []
+        f = cache.held_version("f1", "v1")
+        assert f is not None and f.role is FileRole.MIRROR and f.state is FileState.PENDING
+        assert await cache.read(f, 0, MiB + 1000) == page0 + page1
+        assert cache.mirrored_bytes() == 2 * MiB
+        # Only its writer may change it.
+        try:
+            await cache.mirror_page("n3", "m1", "f1", 0, 9, memoryview(page1), timeout=1)
+            raise AssertionError("another node changed a mirror")
+        except OSError:
+            pass
+        # A page arriving after the commit: the version is no longer held as-is.
+        assert await cache.mirror_page("n1", "m1", "f1", 1, 8, memoryview(page0[:10]), timeout=1)
+        assert cache.held_version("f1", "v1") is None
+        assert cache.mirror_commit("n1", "m1", m, "a.pt", 0, 0, {0: (6, MiB), 1: (8, 10)},
+                                   {}, ChunkMap()) == []  # fmt: skip
+        # The writer dies: the committed mirror is taken over and queued.
+        assert cache.take_over(f) and f.role is FileRole.TAKEOVER and queued == [f]
+        assert f.holders == ["n2"] and f.owes_flush
+        # A stale drop (another version) is ignored; uncommitted mirrors of a
+        # dead writer are dropped, not flushed.
+        assert not cache.mirror_drop("n1", "m1", "v0")
+        assert await cache.mirror_page("n1", "m2", "f2", 0, 1, memoryview(page1), timeout=1)
+        assert not cache.take_over(cache.mirrors["m2"]) and "m2" not in cache.mirrors
+        assert cache.mirror_slots == 2
+
+    trio.run(main)
+
+
+def test_a_full_mirror_quota_answers_busy_and_frees_on_drop(tmp_path: Path):
+    async def main() -> None:
+        cache = make_cache(tmp_path)
+        cache.mirror_quota = 2
+        page = memoryview(os.urandom(MiB))
+        assert await cache.mirror_page("n1", "m1", "f1", 0, 1, page, timeout=1)
+        assert await cache.mirror_page("n1", "m1", "f1", 1, 2, page, timeout=1)
+        start = trio.current_time()
+        assert not await cache.mirror_page("n1", "m1", "f1", 2, 3, page, timeout=0.3)
+        assert trio.current_time() - start >= 0.3
+        m = Manifest("f1", "v1", 2 * MiB, 0o644, 1, "pending", ["n1", "n2"])
+        ram = {0: (1, MiB), 1: (2, MiB)}
+        assert cache.mirror_commit("n1", "m1", m, "a.pt", 0, 0, ram, {}, ChunkMap()) == []
+        assert cache.mirror_drop("n1", "m1", "v1")
+        assert cache.mirror_slots == 0 and cache.arena.used_slots == 0
+        assert await cache.mirror_page("n1", "m2", "f1", 0, 4, page, timeout=1)
+
+    trio.run(main)

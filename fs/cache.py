@@ -39,6 +39,7 @@ from .journal import Journal, chunks_of
 from .manifest import Chunk, Manifest, new_id
 from .readahead import ReadAhead
 from .readsource import RangeReader
+from .remoteread import RemoteReader
 from .state import FileRole, FileState, MirrorState, PageState
 
 log = logging.getLogger("ckptfs.cache")
@@ -83,6 +84,7 @@ class Cache:
         self.frames = FrameCache(arena, store, io)
         # Set when this node has peers: reads of files pending elsewhere.
         self.peer_fetch: PeerFetch | None = None
+        self.remote = RemoteReader(self._fetch_remote)  # pipelined reads through peer_fetch
         # Every read resolves its range through the reader (fs/readsource.py);
         # sequential readers make the read-ahead fetch the next chunks early.
         self.reader = RangeReader(arena, self.frames, self.try_alloc)
@@ -189,6 +191,7 @@ class Cache:
             # Made durable meanwhile (by its writer or a takeover): read the
             # chunks now, not the holders.
             f.role, f.state, f.lost_reason = FileRole.LOCAL, FileState.DURABLE, ""
+            self.remote.forget(f.file_id)
             f.base, f.chunking, f.holders = (
                 ChunkMap.of(m.chunks, m.size),
                 m.chunking,
@@ -830,8 +833,11 @@ class Cache:
         held = self.held_version(f.file_id, version)
         if held is not None and held is not f:
             return await self.reader.read(held, off, end)  # mirrored here
+        sequential = f.read_pattern.observe(off, end) is not None
         try:
-            return await self.peer_fetch(list(f.holders), f.file_id, version, off, end - off)
+            return await self.remote.read(
+                list(f.holders), f.file_id, version, f.size, off, end, sequential=sequential
+            )
         except OSError as exc:
             if f.state is FileState.PENDING and f.role is FileRole.REMOTE and f.version == version:
                 f.state = FileState.LOST
@@ -839,6 +845,12 @@ class Cache:
                 self._notify(f)
                 log.error("%s is lost here: %s", f.path, f.lost_reason)
             raise FileLost(f"{f.path}: {exc}") from None
+
+    async def _fetch_remote(
+        self, holders: list[str], file_id: str, version: str, offset: int, length: int
+    ) -> bytes:
+        assert self.peer_fetch is not None
+        return await self.peer_fetch(holders, file_id, version, offset, length)
 
     async def chunk_bytes(self, chunk: Chunk, start: int, count: int, what: str) -> bytes:
         """Verified bytes of a stored chunk, through a frame when there is room."""
@@ -1017,6 +1029,7 @@ class Cache:
         wait for memory, and hosts the read-ahead's chunk reads."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.readahead.run)
+            self.remote.nursery = nursery
             await self._spill_when_needed()
 
     async def _spill_when_needed(self) -> None:
@@ -1054,4 +1067,5 @@ class Cache:
             "spilled_bytes": self.spilled_bytes,
             **self.frames.stats(),
             "readahead": self.readahead.stats(),
+            "remote_reads": self.remote.stats(),
         }

@@ -1,0 +1,137 @@
+"""Pipelined reads of a file pending on other nodes (its holders' RAM).
+
+A FUSE read asks for 128 KiB to 1 MiB at a time; one peer round trip per
+request leaves the link idle most of the time. So a file pending elsewhere
+is read in blocks of BLOCK bytes, each fetched whole from a holder (verified
+by its hash there and here, peer/reads.py), and a sequential reader has the
+next AHEAD blocks in flight while it consumes the current one. Blocks are
+keyed by (file id, version, index): a rewritten file is another version and
+never meets the old one's blocks. They are plain bytes outside the arena,
+bounded by MAX_BYTES together (least recently used out); a block whose fetch
+failed is forgotten, and the reader that needs it gets the error.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import trio
+
+# (holders, file_id, version, offset, length) -> verified bytes; OSError if none serves.
+Fetch = Callable[[list[str], str, str, int, int], Awaitable[bytes]]
+Key = tuple[str, str, int]
+
+BLOCK = 4 << 20
+AHEAD = 4  # blocks in flight ahead of a sequential reader
+MAX_BYTES = 64 << 20
+
+
+@dataclass(eq=False)
+class Block:
+    done: trio.Event = field(default_factory=trio.Event)
+    data: bytes = b""
+    error: OSError | None = None
+
+
+class RemoteReader:
+    def __init__(self, fetch: Fetch, nursery: trio.Nursery | None = None) -> None:
+        self.fetch = fetch
+        self.nursery = nursery  # for read-ahead fetches; without one, none are started
+        self._blocks: OrderedDict[Key, Block] = OrderedDict()
+        self._bytes = 0
+        self.blocks_fetched = 0
+        self.blocks_ahead = 0
+
+    async def read(
+        self,
+        holders: list[str],
+        file_id: str,
+        version: str,
+        size: int,
+        off: int,
+        end: int,
+        *,
+        sequential: bool,
+    ) -> bytes:
+        """Bytes [off, end) of that version (``end`` clipped to ``size`` by the caller)."""
+        first, last = off // BLOCK, (end - 1) // BLOCK
+        if sequential and self.nursery is not None:
+            top = min(last + AHEAD, (size - 1) // BLOCK)
+            for i in range(last + 1, top + 1):
+                self._start(holders, file_id, version, size, i, ahead=True)
+        parts = []
+        for i in range(first, last + 1):
+            block = self._blocks.get((file_id, version, i))
+            if block is None:
+                block = self._start(holders, file_id, version, size, i, ahead=False)
+                await self._fill(block, holders, file_id, version, size, i)
+            else:
+                self._blocks.move_to_end((file_id, version, i))
+                await block.done.wait()
+            if block.error is not None:
+                raise block.error
+            lo = max(off, i * BLOCK) - i * BLOCK
+            hi = min(end, (i + 1) * BLOCK) - i * BLOCK
+            parts.append(block.data[lo:hi])
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _start(
+        self, holders: list[str], file_id: str, version: str, size: int, i: int, *, ahead: bool
+    ) -> Block:
+        key = (file_id, version, i)
+        block = self._blocks.get(key)
+        if block is not None:
+            return block
+        block = self._blocks[key] = Block()
+        if ahead:
+            assert self.nursery is not None
+            self.blocks_ahead += 1
+            self.nursery.start_soon(self._fill, block, holders, file_id, version, size, i)
+        return block
+
+    async def _fill(
+        self, block: Block, holders: list[str], file_id: str, version: str, size: int, i: int
+    ) -> None:
+        if block.done.is_set():
+            return
+        start = i * BLOCK
+        try:
+            block.data = await self.fetch(
+                list(holders), file_id, version, start, min(BLOCK, size - start)
+            )
+        except OSError as exc:
+            block.error = exc
+            self._blocks.pop((file_id, version, i), None)  # the next reader tries again
+        else:
+            self.blocks_fetched += 1
+            if self._blocks.get((file_id, version, i)) is block:  # not forgotten meanwhile
+                self._bytes += len(block.data)
+                self._trim()
+        finally:
+            block.done.set()
+
+    def _trim(self) -> None:
+        while self._bytes > MAX_BYTES and self._blocks:
+            key, block = next(iter(self._blocks.items()))
+            if not block.done.is_set():
+                self._blocks.move_to_end(key)  # in flight: not ours to drop
+                if all(not b.done.is_set() for b in self._blocks.values()):
+                    return
+                continue
+            del self._blocks[key]
+            self._bytes -= len(block.data)
+
+    def forget(self, file_id: str) -> None:
+        """Drop the blocks of every version of ``file_id`` (it became durable or went away)."""
+        for key in [k for k in self._blocks if k[0] == file_id]:
+            block = self._blocks.pop(key)
+            self._bytes -= len(block.data)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "blocks_fetched": self.blocks_fetched,
+            "blocks_ahead": self.blocks_ahead,
+            "block_bytes": self._bytes,
+        }

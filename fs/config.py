@@ -275,6 +275,11 @@ def load_config(
     config.peers_config = parse_peers(config.peers or None, config.node)
     if "durability" not in values and config.peers_config is not None:
         config.durability = "buddy"  # the default with peers (DESIGN.md)
+    if "fuse.open_recheck" not in values and config.peers_config is not None:
+        # Reusing a recent check would let an open that follows another
+        # node's close within the window read the old version: with peers,
+        # every open re-reads the manifest (NFS close-to-open).
+        config.open_recheck = 0.0
     if config.durability == "buddy" and config.peers_config is None:
         raise ConfigError("durability", "'buddy' needs peers.nodes; use local or backing")
     return config

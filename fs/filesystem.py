@@ -201,8 +201,9 @@ class FileSystem:
         inode = self._inode(ino)
         if inode.unlinked:
             return self._attr(inode, None)
-        if inode.kind == "file" and inode.file is not None and inode.file.handles:
-            return self._attr(inode, None)  # open here: our copy is current
+        f = inode.file
+        if inode.kind == "file" and f is not None and (f.writers or f.modified):
+            return self._attr(inode, None)  # being written here: our copy is current
         now = time.monotonic()
         if inode.kind == "dir" and now - inode.dir_attrs_at < DIR_ATTR_REUSE:
             return self._attr(inode, inode.dir_attrs)
@@ -451,8 +452,11 @@ class FileSystem:
     async def _file_for(self, inode: Inode, writable: bool, truncate: bool = False) -> CachedFile:
         """The cached file behind an inode, (re)loaded from its manifest if needed."""
         f = inode.file
-        if f is not None and (inode.unlinked or f.handles or f.modified):
-            return f  # open or changed here: our copy is the current one
+        if f is not None and (inode.unlinked or f.writers or f.modified):
+            # Being written or changed here: our copy is the current one. A
+            # file only open for reading here may have been rewritten on
+            # another node (and its RELEASE may still be on its way): look.
+            return f
         if (
             f is not None
             and not writable

@@ -245,3 +245,33 @@ def test_megatron_pattern_across_nodes_restarts_on_other_nodes(mounts, tmp_path)
     wait_for(lambda: "taking over iter_0000100" in nodes["n1"].log(), 30, "n1 takes over")
     for rank, node in enumerate(["n2", "n1", "n2"]):
         run(rank, node, "load")
+
+
+def test_a_file_rewritten_on_another_node_is_never_read_stale(mounts, tmp_path):
+    """Close-to-open across nodes: n2 reads (and the kernel caches) V1; n1
+    rewrites the file in place with V2 of the same size; n2's next open
+    reads V2, not the daemon's or the kernel's copy of V1. Again once V2 is
+    durable, and with a third version read through mmap."""
+    nodes = cluster(mounts, tmp_path, ["n1", "n2", "n3"], {})
+    n1, n3 = nodes["n1"], nodes["n3"]
+    size = 3 * MiB + 11
+    for i in range(3):
+        data = os.urandom(size)
+        (n1.mnt / "w.bin").write_bytes(data)
+        if i == 1:
+            n1.wait_durable()
+        for reader in (nodes["n2"], n3):
+            if i == 2:
+                import mmap
+
+                with (
+                    open(reader.mnt / "w.bin", "rb") as f,
+                    mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m,
+                ):
+                    if m[:] != data:
+                        info = file_info(reader, "w.bin")
+                        raise AssertionError(f"{reader.mnt}: stale mmap in version {i}: {info}")
+            else:
+                assert (reader.mnt / "w.bin").read_bytes() == data, f"stale in version {i}"
+    for m in nodes.values():
+        m.allowed_log += PEER_LOGS

@@ -36,6 +36,14 @@ def format_stat(s: dict[str, Any]) -> str:
             f"peer:    {p['name']} {p['address']}  {p['state']}  last heartbeat {heard}"
             + ("  (buddy)" if p.get("buddy") else "")
         )
+    rep = s.get("representative")
+    if rep:
+        lines.append(
+            f"representative fetch: {rep['chunks_fetched']} chunk(s) "
+            f"({human(rep['bytes_fetched'])}) from peers, {rep['fallbacks']} fallback(s) "
+            f"to the store, {rep['chunks_served']} chunk(s) ({human(rep['bytes_served'])}) "
+            "served to peers"
+        )
     if s["files"]:
         lines.append(f"{'STATE':<9} {'SIZE':>10} {'FLUSHED':>8}  PATH")
         for f in s["files"]:

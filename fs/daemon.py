@@ -22,6 +22,7 @@ from typing import Any
 import pyfuse3
 import trio
 from ckptfs.peer.node import PeerNode
+from ckptfs.peer.represent import Representation, attach
 
 from . import control
 from .config import Config
@@ -57,6 +58,12 @@ class Daemon:
         )
         if self.peer is not None:
             self.core.cache.peer_fetch = self.peer.fetch
+        # Durable chunks several nodes want: read from the store by one node.
+        self.represent: Representation | None = (
+            attach(self.peer, self.core.cache.frames, self.core.cache.try_alloc)
+            if self.peer is not None
+            else None
+        )
         self.started = time.time()
         self._terminating = False
 
@@ -184,6 +191,7 @@ class Daemon:
             "peers": self.peer.stats() if self.peer else [],
             "peer_reads": self.peer.counters() if self.peer else {},
             "mirroring": self.peer.mirror_stats() if self.peer else {},
+            "representative": self.represent.counters() if self.represent else {},
             "history": list(core.history.recent),
         }
 

@@ -26,7 +26,7 @@ import errno
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -38,6 +38,13 @@ from .chunkstore import DIRECT_ALIGN, ChunkCorrupt, ChunkStore
 from .manifest import Chunk
 
 log = logging.getLogger("ckptfs.frames")
+
+
+# Fills a frame's slots (whole, in order) with a chunk's verified bytes from
+# elsewhere (another node's RAM, peer/represent.py): True if it did, False if
+# the frame must be read from the store as usual. It returns only once nothing
+# writes into the slots any more; on False their contents are unspecified.
+RemoteFill = Callable[[Chunk, list[memoryview], str], Awaitable[bool]]
 
 
 class FrameState(Enum):
@@ -84,6 +91,9 @@ class FrameCache:
         self.prefetch_used = 0
         self.prefetch_wasted = 0
         self.prefetch_taken = 0  # a reader filled a read-ahead frame still queued
+        # Set by the daemon when peers are configured (representative fetch);
+        # None on a single node, where every fill reads the store.
+        self.remote: RemoteFill | None = None
 
     @property
     def slots_held(self) -> int:
@@ -233,6 +243,8 @@ class FrameCache:
         # Whole slots: an O_DIRECT read rounds the chunk's end up to a block,
         # into the rest of its last slot (slots start page-aligned in the mapping).
         views = [self.arena.slot_view(slot) for slot in frame.slots]
+        if self.remote is not None and await self.remote(chunk, views, what):
+            return  # verified there, in these slots; not a read from the store
         direct = self.slot_size % DIRECT_ALIGN == 0
         for slot in frame.slots:
             self.arena.pin(slot)

@@ -49,6 +49,14 @@ def format_stat(s: dict[str, Any]) -> str:
             f"buddy:   for {', '.join(mirroring['buddy_for'])}: {mirroring['mirrors']} mirror(s), "
             f"{human(mirroring['mirrored_bytes'])} held, {mirroring['takeovers']} taken over"
         )
+    rep = s.get("representative")
+    if rep:
+        lines.append(
+            f"representative fetch: {rep['chunks_fetched']} chunk(s) "
+            f"({human(rep['bytes_fetched'])}) from peers, {rep['fallbacks']} fallback(s) "
+            f"to the store, {rep['chunks_served']} chunk(s) ({human(rep['bytes_served'])}) "
+            "served to peers"
+        )
     if s["files"]:
         lines.append(f"{'STATE':<9} {'SIZE':>10} {'FLUSHED':>8}  PATH")
         for f in s["files"]:

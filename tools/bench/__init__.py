@@ -28,6 +28,12 @@ Each mounts what it measures itself and always unmounts it; run one with
   one from local RAM.
   ``python -m ckptfs.tools.bench.bench_buddy [--size-gib 1] [--runs 3]``
 
+- ``bench_cluster``: cold restore of one checkpoint by several nodes at once
+  (daemons on this machine sharing a counting backing mount): wall time
+  against one node, and backing-store bytes read per checkpoint size, with
+  and without representative fetch.
+  ``python -m ckptfs.tools.bench.bench_cluster [--nodes 4] [--size-mib 512] [--runs 3]``
+
 ``benchlib`` is what they share (memory warm-up, tables, mounting through the
 CLI, cleanup); it is not a public API.
 """

@@ -15,6 +15,7 @@ nobody is waiting any more.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +26,10 @@ import trio
 T = TypeVar("T")
 log = logging.getLogger("ckptfs.backing")
 DOWN_PROBE_INTERVAL = 5.0
+# How much lower than the daemon's own the CPU priority of a thread doing
+# background work (a flush) is, for as long as it does it: the threads serve
+# FUSE requests too, and those keep the daemon's priority.
+BACKGROUND_NICE = 10
 
 
 class BackingTimeout(OSError):
@@ -166,3 +171,48 @@ def on_loop_later(fn: Callable[..., object], *args: object) -> Callable[[object]
 async def run_cpu(fn: Callable[..., T], *args: object, limiter: trio.CapacityLimiter) -> T:
     """Run CPU-bound work (hashing) in a thread; xxhash releases the GIL."""
     return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
+
+
+def _may_renice() -> bool:
+    """Whether this process may raise a thread's priority back (CAP_SYS_NICE):
+    without it, a thread lowered once would stay low for the FUSE work it
+    does later, so background work is not lowered at all."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> 23 & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+_renice = _may_renice()
+
+
+def in_background(fn: Callable[[], T]) -> Callable[[], T]:
+    """``fn`` run at a lower CPU priority (nice +BACKGROUND_NICE) than the
+    daemon's, in whatever thread runs it; the thread's priority is restored
+    when it returns. A training job sharing the CPUs with a flush keeps its
+    share; the FUSE requests the same threads serve keep theirs."""
+
+    def run() -> T:
+        global _renice
+        if not _renice:
+            return fn()
+        tid = threading.get_native_id()
+        try:
+            before = os.getpriority(os.PRIO_PROCESS, tid)
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, before + BACKGROUND_NICE))
+        except OSError:
+            _renice = False
+            return fn()
+        try:
+            return fn()
+        finally:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, before)
+            except OSError:
+                _renice = False  # not allowed after all: never lowered again
+
+    return run

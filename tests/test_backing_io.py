@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 import time
 from pathlib import Path
 
@@ -81,3 +82,28 @@ def test_a_manifest_write_survives_short_writes_and_syncs_its_directory(tmp_path
     assert read_manifest(tmp_path / "x.pt") == manifest
     assert synced_dirs, "the directory was not fsynced after the rename"
     assert stat.S_IMODE(os.stat(tmp_path / "x.pt").st_mode) == 0o640
+
+
+def test_background_work_runs_at_a_lower_priority_and_restores_it(monkeypatch):
+    from ckptfs.fs import blocking
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    async def main() -> tuple[int, int]:
+        def work() -> tuple[int, int]:
+            return nice(), threading.get_native_id()
+
+        during, tid = await trio.to_thread.run_sync(blocking.in_background(work))
+        # The worker thread is still alive (trio keeps idle threads a while).
+        return during, os.getpriority(os.PRIO_PROCESS, tid)
+
+    if not blocking._renice:
+        pytest.skip("this process may not raise a thread's priority back (no CAP_SYS_NICE)")
+    base = nice()
+    during, after = trio.run(main)
+    assert during == min(19, base + blocking.BACKGROUND_NICE)
+    assert after == base  # the thread serves other work at the daemon's priority again
+    # Where the priority cannot be restored, nothing is lowered, and the work still runs.
+    monkeypatch.setattr(blocking, "_renice", False)
+    assert blocking.in_background(nice)() == base

@@ -49,7 +49,7 @@ MODES = st.sampled_from(["w", "rw", "rw-new", "r"])
 # Background steps (flusher, spiller) let through at each await of a foreground operation.
 SCHED = st.lists(st.integers(0, 4), max_size=6)
 LABELS = st.sampled_from(
-    ["write manifest", "read manifest", "flush of", "read of", "plan of", "spill of", "journal"]
+    ["write manifest", "read manifest", "flush of", "plan of", "spill of", "journal"]
 )
 WRITES = st.lists(st.tuples(OFFSETS, SIZES, st.integers(0, 1 << 30)), min_size=1, max_size=3)
 STEPS = {"count": 0, "restarts": 0, "crashes": 0}

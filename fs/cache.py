@@ -641,7 +641,8 @@ class Cache:
         return True
 
     def mirror_drop(self, origin: str, mid: str, version: str) -> bool:
-        """The writer needs no mirror of ``mid`` at ``version`` ("" = any) any more."""
+        """The writer needs no mirror of ``mid`` at ``version`` any more: "*"
+        is whatever it holds now, "" is for good (the content is gone)."""
         if not version:
             self._gone_mirrors[mid] = None
             if len(self._gone_mirrors) > MAX_GONE_MIRRORS:
@@ -649,7 +650,7 @@ class Cache:
         f = self.mirrors.get(mid)
         if f is None or f.origin != origin or f.role is not FileRole.MIRROR:
             return False
-        if version and (f.version != version or f.state is not FileState.PENDING):
+        if version not in ("", "*") and (f.version != version or f.state is not FileState.PENDING):
             return False  # changed since: a later commit or drop settles it
         self._drop_mirror(f)
         return True

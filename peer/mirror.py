@@ -50,14 +50,20 @@ COMMIT = "mirror.commit"
 RENAME = "mirror.rename"
 DROP = "mirror.drop"
 ROUTES = (PAGE, COMMIT, RENAME, DROP)
+# The version of a drop of whatever the buddy holds under a mirror id now
+# (a fallback); "" drops it for good (the content is gone: later pages of it
+# are refused).
+DROP_NOW = "*"
 
 # Pages in flight to the buddy at once (the writer's credits): enough to
 # keep a loopback or 25 Gb/s link busy, few enough to bound pinned slots.
 IN_FLIGHT = 8
-# How long a writer keeps retrying a buddy that answers "busy" (quota full)
-# before the file falls back to local durability.
-BUSY_WAIT = 60.0
+# How long a commit keeps retrying a buddy that answers "busy" (its mirror
+# space is full of other files not durable yet) before the file falls back
+# to local durability. A file larger than that space falls back at once.
+BUSY_WAIT = 30.0
 BUSY_RETRY = 0.05
+BUSY_PAUSE = 1.0  # streaming pauses this long after the buddy said "busy"
 MAX_DROPS = 512  # per request
 MAX_PENDING_DROPS = 100_000  # kept while the buddy is unreachable
 COMMIT_ROUNDS = 3  # commit, resend what the buddy lacks, commit again
@@ -104,6 +110,8 @@ class MirrorClient:
         # waiting out its own timeout (a stopped buddy must not stall close()).
         self._down_until = 0.0
         self._down_reason = ""
+        self.buddy_quota: int | None = None  # its mirror space, as it last said
+        self._busy_until = 0.0  # it said "busy" to a streamed page: stream again later
         # Counters for `stat`.
         self.pages_sent = 0
         self.bytes_sent = 0
@@ -175,10 +183,17 @@ class MirrorClient:
             },
             separators=(",", ":"),
         ).encode()
+        need = len(ram) * self.cache.page_size
+        if self.buddy_quota is not None and need > self.buddy_quota:
+            raise MirrorFailed(
+                f"{need >> 20} MiB in RAM is more than buddy {self.buddy} may hold "
+                f"({self.buddy_quota >> 20} MiB)"
+            )
         acked = self._acked.setdefault(f.mirror_id, {})
         todo = [p for p, (gen, _fill) in ram.items() if acked.get(p) != gen]
+        deadline = trio.current_time() + BUSY_WAIT
         for _round in range(COMMIT_ROUNDS):
-            await self._send_pages(f, {p: ram[p][0] for p in todo})
+            await self._send_pages(f, {p: ram[p][0] for p in todo}, deadline)
             response = await self._request(COMMIT, {"mid": f.mirror_id}, body)
             missing = response.meta.get("missing") or []
             if not missing:
@@ -188,14 +203,14 @@ class MirrorClient:
                 acked.pop(p, None)
         raise MirrorFailed(f"buddy {self.buddy} still lacks pages after {COMMIT_ROUNDS} rounds")
 
-    async def _send_pages(self, f: CachedFile, want: dict[int, int]) -> None:
+    async def _send_pages(self, f: CachedFile, want: dict[int, int], deadline: float) -> None:
         """Send pages at exactly the generations in ``want``; MirrorFailed if
         a page has changed since (the content being committed is gone)."""
         failures: list[str] = []
 
         async def one(p: int, gen: int, cancel: trio.CancelScope) -> None:
             try:
-                if not await self._send_page(f, p, expect_gen=gen):
+                if not await self._send_page(f, p, expect_gen=gen, deadline=deadline):
                     failures.append(f"page {p} of {f.path} changed while it was mirrored")
             except MirrorFailed as exc:
                 failures.append(str(exc))
@@ -208,8 +223,12 @@ class MirrorClient:
         if failures:
             raise MirrorFailed(failures[0])
 
-    async def _send_page(self, f: CachedFile, p: int, expect_gen: int | None = None) -> bool:
-        """Send page ``p`` as it is now; False if it is not the generation expected."""
+    async def _send_page(
+        self, f: CachedFile, p: int, expect_gen: int | None = None, deadline: float | None = None
+    ) -> bool:
+        """Send page ``p`` as it is now; False if it is not the generation
+        expected. A busy buddy is retried until ``deadline`` (a commit); a
+        streamed page (no deadline) is left for the commit to send."""
         async with self._credits:
             page = f.pages.get(p)
             if page is None or not page.in_ram or page.state is not PageState.DIRTY:
@@ -220,18 +239,29 @@ class MirrorClient:
             acked = self._acked.setdefault(f.mirror_id, {})
             if acked.get(p) == gen:
                 return True
-            meta = {"mid": f.mirror_id, "file_id": f.file_id, "page": p, "gen": gen}
+            # A streamed page is not worth waiting for room: the commit sends it.
+            meta = {
+                "mid": f.mirror_id,
+                "file_id": f.file_id,
+                "page": p,
+                "gen": gen,
+                "wait": deadline is not None,
+            }
             ps = self.cache.page_size
             arena = self.cache.arena
             arena.pin(slot)  # a write meanwhile copies the page: these bytes stay `gen`
             try:
-                deadline = trio.current_time() + BUSY_WAIT
                 while True:
                     response = await self._request(
                         PAGE, meta, payload_file=(arena.fd, slot * ps, fill)
                     )
+                    if "quota" in response.meta:
+                        self.buddy_quota = int(response.meta["quota"])
                     if not response.meta.get("busy"):
                         break
+                    if deadline is None:
+                        self._busy_until = trio.current_time() + BUSY_PAUSE
+                        return True  # streaming: the commit sends it again
                     if trio.current_time() > deadline:
                         raise MirrorFailed(f"buddy {self.buddy} had no room for {BUSY_WAIT:g}s")
                     await trio.sleep(BUSY_RETRY)
@@ -280,8 +310,12 @@ class MirrorClient:
                 await trio.sleep(0)
 
     async def _stream(self, f: CachedFile, p: int) -> None:
-        if f.mirror is MirrorState.FALLBACK or f.state is FileState.UNLINKED:
-            return
+        if (
+            f.mirror is MirrorState.FALLBACK
+            or f.state is FileState.UNLINKED
+            or trio.current_time() < self._busy_until
+        ):
+            return  # the commit sends what was not streamed
         try:
             await self._send_page(f, p)
         except MirrorFailed as exc:
@@ -350,6 +384,8 @@ class MirrorClient:
         if f.mirror is MirrorState.FALLBACK:
             return
         self.cache.set_mirror(f, MirrorState.FALLBACK)
+        self._drops.append((f.mirror_id, DROP_NOW))  # what it holds of it is no use
+        self._wake.set()
         self.fallbacks += 1
         self.fallback_paths = [*self.fallback_paths[-99:], f.path]
         log.warning(
@@ -459,10 +495,12 @@ class MirrorServer:
             return Response.fail(f"page {p} is out of bounds")
         if len(request.payload) > self.cache.page_size:
             return Response.fail(f"page of {len(request.payload)} bytes is over the page size")
+        wait = self.timeout / 2 if meta.get("wait", True) else 0.0
         held = await self.cache.mirror_page(
-            peer, mid, file_id, p, gen, request.payload, timeout=self.timeout / 2
+            peer, mid, file_id, p, gen, request.payload, timeout=wait
         )
-        return Response(meta={"busy": not held})
+        quota = self.cache.mirror_quota * self.cache.page_size
+        return Response(meta={"busy": not held, "quota": quota})
 
     def _commit(self, peer: str, request: Request) -> Response:
         body = json.loads(bytes(request.payload))

@@ -275,3 +275,32 @@ def test_a_file_rewritten_on_another_node_is_never_read_stale(mounts, tmp_path):
                 assert (reader.mnt / "w.bin").read_bytes() == data, f"stale in version {i}"
     for m in nodes.values():
         m.allowed_log += PEER_LOGS
+
+
+def test_a_file_larger_than_the_buddys_mirror_space_falls_back_without_hanging(mounts, tmp_path):
+    """The buddy may hold mirrors in half of its cache: a bigger file cannot
+    be mirrored, and waiting for room would wait for its own flush. Its close
+    falls back to local promptly; smaller files after it are mirrored again."""
+    ports = {"n1": free_port(), "n2": free_port()}
+    config = cluster_config(tmp_path, ports)
+    n1, n2 = mounts("n1"), mounts("n2")
+    n1.mount("--config", str(config), "--node", "n1", cache_size="256MiB")
+    n2.mount("--config", str(config), "--node", "n2", cache_size="64MiB")
+    wait_for(lambda: peers_of(n1)["n2"]["alive"] and peers_of(n2)["n1"]["alive"], 30, "alive")
+    big = os.urandom(48 * MiB + 3)
+    start = time.monotonic()
+    (n1.mnt / "big.pt").write_bytes(big)
+    assert time.monotonic() - start < 40
+    n1.allowed_log += PEER_LOGS + ["is not mirrored"]
+    n2.allowed_log += PEER_LOGS + ["is dead"]
+    writer = n1.stat()["mirroring"]["writer"]
+    assert writer["fallbacks"] == 1 and writer["fallback_paths"] == ["big.pt"], writer
+    assert read_manifest(n1.backing / "big.pt").holders == ["n1"]
+    assert "more than buddy n2 may hold" in n1.log() or "had no room" in n1.log()
+    n1.wait_durable()
+    wait_for(lambda: n2.stat()["mirroring"]["mirrors"] == 0, 30, "n2 drops what it held of it")
+    small = os.urandom(2 * MiB)
+    (n1.mnt / "small.pt").write_bytes(small)
+    info = file_info(n1, "small.pt")
+    assert info is not None and info["holders"] == ["n1", "n2"], info
+    assert (n1.mnt / "big.pt").read_bytes() == big

@@ -115,7 +115,9 @@ def test_mount_refuses_a_node_missing_from_nodes_and_an_open_secret(mounts, tmp_
 def test_a_file_pending_on_another_node_is_read_from_it(mounts, tmp_path):
     """n1 closes a file and is slow to flush it (a bandwidth cap): n2 reads
     its bytes from n1, verified. When n1 dies, what n2 has not read yet is
-    EIO with a reason, and stat lists the file as lost; never wrong bytes.
+    EIO with a reason (bytes fetched ahead before the death are served:
+    they are that version, verified), and stat lists the file as lost;
+    never wrong bytes.
     (Durability local: with buddy, n2 would hold the file and take it over;
     tests/test_buddy.py covers that.)"""
     ports = {"n1": free_port(), "n2": free_port()}
@@ -125,7 +127,9 @@ def test_a_file_pending_on_another_node_is_read_from_it(mounts, tmp_path):
              env={"CKPTFS_FLUSH_BANDWIDTH": "32KiB", "CKPTFS_DURABILITY": "local"})  # fmt: skip
     n2.mount("--config", str(config), "--node", "n2")
     wait_for(lambda: peers_of(n2)["n1"]["alive"], 20, "n1 alive for n2")
-    data = os.urandom(6 * MiB + 12345)
+    # Larger than what n2's read-ahead fetches beyond its reads (4 blocks of
+    # 4 MiB), so that part of it is still only on n1 when n1 dies.
+    data = os.urandom(40 * MiB + 12345)
     (n1.mnt / "ckpt.pt").write_bytes(data)
     assert n1.file_state("ckpt.pt") in ("dirty", "flushing")  # pending, not durable
 
@@ -150,7 +154,7 @@ def test_a_file_pending_on_another_node_is_read_from_it(mounts, tmp_path):
     fd = os.open(n2.mnt / "ckpt.pt", os.O_RDONLY | os.O_DIRECT)
     try:
         with pytest.raises(OSError) as err:
-            os.pread(fd, MiB, 5 * MiB)
+            os.pread(fd, MiB, 36 * MiB)
         assert err.value.errno == errno.EIO
     finally:
         os.close(fd)

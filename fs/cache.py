@@ -45,7 +45,7 @@ from .state import FileRole, FileState, MirrorState, PageState
 log = logging.getLogger("ckptfs.cache")
 
 # (holders, file_id, version, offset, length) -> verified bytes; OSError if none serves.
-PeerFetch = Callable[[list[str], str, str, int, int], Awaitable[bytes]]
+PeerFetch = Callable[[list[str], str, str, int, int], Awaitable[bytes | memoryview]]
 MAX_IDLE_FILES = 4096
 PRUNE_SLACK = 1024
 # The largest file ckptfs accepts (16 TiB): larger sizes and offsets get EFBIG.
@@ -825,7 +825,7 @@ class Cache:
         self.readahead.observe(f, off, end)
         return await self.reader.read(f, off, end, view_ok=view_ok)
 
-    async def _read_remote(self, f: CachedFile, off: int, end: int) -> bytes:
+    async def _read_remote(self, f: CachedFile, off: int, end: int) -> bytes | memoryview:
         """Bytes of a file pending on other nodes, from a holder (verified there
         and here by hash). When no holder serves them the file is LOST here:
         EIO with the reason, until its manifest changes or a holder is back."""
@@ -849,7 +849,7 @@ class Cache:
 
     async def _fetch_remote(
         self, holders: list[str], file_id: str, version: str, offset: int, length: int
-    ) -> bytes:
+    ) -> bytes | memoryview:
         assert self.peer_fetch is not None
         return await self.peer_fetch(holders, file_id, version, offset, length)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import trio
 
 # (holders, file_id, version, offset, length) -> verified bytes; OSError if none serves.
-Fetch = Callable[[list[str], str, str, int, int], Awaitable[bytes]]
+Fetch = Callable[[list[str], str, str, int, int], Awaitable[bytes | memoryview]]
 Key = tuple[str, str, int]
 
 BLOCK = 4 << 20
@@ -31,7 +31,7 @@ MAX_BYTES = 64 << 20
 @dataclass(eq=False)
 class Block:
     done: trio.Event = field(default_factory=trio.Event)
-    data: bytes = b""
+    data: bytes | memoryview = b""
     error: OSError | None = None
 
 
@@ -54,8 +54,9 @@ class RemoteReader:
         end: int,
         *,
         sequential: bool,
-    ) -> bytes:
-        """Bytes [off, end) of that version (``end`` clipped to ``size`` by the caller)."""
+    ) -> bytes | memoryview:
+        """Bytes [off, end) of that version (``end`` clipped to ``size`` by the
+        caller); within one block, a view of it (blocks are never changed)."""
         first, last = off // BLOCK, (end - 1) // BLOCK
         if sequential and self.nursery is not None:
             top = min(last + AHEAD, (size - 1) // BLOCK)
@@ -74,7 +75,7 @@ class RemoteReader:
                 raise block.error
             lo = max(off, i * BLOCK) - i * BLOCK
             hi = min(end, (i + 1) * BLOCK) - i * BLOCK
-            parts.append(block.data[lo:hi])
+            parts.append(memoryview(block.data)[lo:hi])
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def _start(

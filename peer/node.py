@@ -67,7 +67,7 @@ class PeerNode:
 
     async def fetch(
         self, holders: list[str], file_id: str, version: str, offset: int, length: int
-    ) -> bytes:
+    ) -> bytes | memoryview:
         """A verified range of a file pending on other nodes (PeerReadError if
         no holder serves it)."""
         others = [h for h in holders if h != self.config.node]

@@ -91,21 +91,24 @@ class PeerFetcher:
 
     async def fetch(
         self, holders: Sequence[str], file_id: str, version: str, offset: int, length: int
-    ) -> bytes:
+    ) -> bytes | memoryview:
         """Bytes [offset, offset+length) of that version, from the first holder
-        that has them; raises PeerReadError naming every holder tried."""
-        out = bytearray()
-        while len(out) < length:
-            n = min(MAX_READ, length - len(out))
-            part = await self._fetch_piece(holders, file_id, version, offset + len(out), n)
+        that has them; raises PeerReadError naming every holder tried. A
+        range of one request comes back as the received buffer, not a copy."""
+        parts: list[memoryview] = []
+        got = 0
+        while got < length:
+            n = min(MAX_READ, length - got)
+            part = await self._fetch_piece(holders, file_id, version, offset + got, n)
             if not part:
                 break  # past the end of the file there
-            out += part
-        return bytes(out)
+            parts.append(part)
+            got += len(part)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def _fetch_piece(
         self, holders: Sequence[str], file_id: str, version: str, offset: int, length: int
-    ) -> bytes:
+    ) -> memoryview:
         tried: list[str] = []
         # Live holders first; a holder thought dead is still worth one try.
         for name in sorted(holders, key=lambda h: not self.is_alive(h)):
@@ -120,7 +123,9 @@ class PeerFetcher:
         reason = "; ".join(tried) or f"no reachable holder among {', '.join(holders) or 'none'}"
         raise PeerReadError(f"no holder served {file_id}@{version} at {offset}: {reason}")
 
-    async def _from(self, name: str, file_id: str, version: str, offset: int, length: int) -> bytes:
+    async def _from(
+        self, name: str, file_id: str, version: str, offset: int, length: int
+    ) -> memoryview:
         conn = await self._connection(name)
         meta: dict[str, Any] = {
             "file_id": file_id,
@@ -129,7 +134,7 @@ class PeerFetcher:
             "length": length,
         }
         response = (await conn.request(READ, meta, timeout=self.timeout)).check()
-        data = bytes(response.payload)
+        data = response.payload  # a buffer of its own, received once: no copy
         if len(data) != response.meta.get("length") or range_hash(data) != response.meta.get(
             "hash"
         ):

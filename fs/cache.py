@@ -45,7 +45,11 @@ from .state import FileRole, FileState, MirrorState, PageState
 log = logging.getLogger("ckptfs.cache")
 
 # (holders, file_id, version, offset, length) -> verified bytes; OSError if none serves.
-PeerFetch = Callable[[list[str], str, str, int, int], Awaitable[bytes | memoryview]]
+# (holders, file_id, version, offset, length, buffer to receive into or None)
+# -> verified bytes; OSError if no holder serves them.
+PeerFetch = Callable[
+    [list[str], str, str, int, int, bytearray | None], Awaitable[bytes | memoryview]
+]
 MAX_IDLE_FILES = 4096
 PRUNE_SLACK = 1024
 # The largest file ckptfs accepts (16 TiB): larger sizes and offsets get EFBIG.
@@ -810,9 +814,15 @@ class Cache:
 
     # ----- reading ------------------------------------------------------------
     async def read(
-        self, f: CachedFile, off: int, size: int, *, view_ok: bool = False
+        self,
+        f: CachedFile,
+        off: int,
+        size: int,
+        *,
+        view_ok: bool = False,
+        into: bytearray | None = None,
     ) -> bytes | memoryview:
-        """Bytes of ``f``; ``view_ok``: see RangeReader.read (FUSE replies only)."""
+        """Bytes of ``f``; ``view_ok`` and ``into``: see RangeReader.read."""
         if f.state is FileState.LOST:
             raise FileLost(f"{f.path}: bytes lost ({f.lost_reason or 'no holder'})")
         self._touch(f)
@@ -823,7 +833,7 @@ class Cache:
             return await self._read_remote(f, off, end)
         # Before this read waits for its own chunk, so the next ones overlap it.
         self.readahead.observe(f, off, end)
-        return await self.reader.read(f, off, end, view_ok=view_ok)
+        return await self.reader.read(f, off, end, view_ok=view_ok, into=into)
 
     async def _read_remote(self, f: CachedFile, off: int, end: int) -> bytes | memoryview:
         """Bytes of a file pending on other nodes, from a holder (verified there
@@ -848,10 +858,16 @@ class Cache:
             raise FileLost(f"{f.path}: {exc}") from None
 
     async def _fetch_remote(
-        self, holders: list[str], file_id: str, version: str, offset: int, length: int
+        self,
+        holders: list[str],
+        file_id: str,
+        version: str,
+        offset: int,
+        length: int,
+        into: bytearray | None,
     ) -> bytes | memoryview:
         assert self.peer_fetch is not None
-        return await self.peer_fetch(holders, file_id, version, offset, length)
+        return await self.peer_fetch(holders, file_id, version, offset, length, into)
 
     async def chunk_bytes(self, chunk: Chunk, start: int, count: int, what: str) -> bytes:
         """Verified bytes of a stored chunk, through a frame when there is room."""

@@ -99,13 +99,14 @@ class Core:
         return await self.fs.publish(f, make, expect_version=version)
 
     async def serve_peer_read(
-        self, file_id: str, version: str, offset: int, length: int
-    ) -> bytes | None:
-        """A range of exactly that version, for a peer; None if not held here."""
+        self, file_id: str, version: str, offset: int, length: int, into: bytearray | None
+    ) -> bytes | memoryview | None:
+        """A range of exactly that version, for a peer (copied into ``into`` if
+        given); None if not held here."""
         f = self.cache.held_version(file_id, version)
         if f is None:
             return None
-        return await self.cache.read(f, offset, length)
+        return await self.cache.read(f, offset, length, into=into)
 
     def close(self) -> None:
         self.fs.close_all()

@@ -129,16 +129,38 @@ class RangeReader:
         self.alloc = alloc
 
     async def read(
-        self, f: CachedFile, start: int, end: int, *, view_ok: bool = False
+        self,
+        f: CachedFile,
+        start: int,
+        end: int,
+        *,
+        view_ok: bool = False,
+        into: bytearray | None = None,
     ) -> bytes | memoryview:
         """Bytes [start, end) of ``f`` (the caller clips ``end`` to the size).
 
         With ``view_ok``, a range that lies in one RAM page or frame comes back
         as a view of the arena, not a copy: for a caller that hands it on
         before its next await (the FUSE reply is written synchronously after
-        the read handler returns); a slot may be reused after any await."""
+        the read handler returns); a slot may be reused after any await.
+        With ``into`` (at least end - start long), the bytes are copied there
+        and a view of it comes back: a caller that reuses its buffer avoids
+        the first-touch faults of a fresh one for every range."""
         out: list[bytes] = []
         pending: list[memoryview | bytes] = []  # views valid until the next await
+        filled = 0  # bytes copied into ``into`` so far
+
+        def settle() -> None:
+            """Copy the views out before the loop runs anything else."""
+            nonlocal filled
+            if into is None:
+                out.append(b"".join(pending))
+            else:
+                for view in pending:
+                    into[filled : filled + len(view)] = view
+                    filled += len(view)
+            pending.clear()
+
         pos = start
         while pos < end:
             waited = False
@@ -150,10 +172,8 @@ class RangeReader:
                 else:
                     frame = self.frames.ready(src.chunk)
                     if frame is None:
-                        # Copy what the views show before the loop runs anything else.
                         if pending:
-                            out.append(b"".join(pending))
-                            pending.clear()
+                            settle()
                         pending += await self._chunk(src, f.path)
                         waited = True
                     else:
@@ -161,10 +181,12 @@ class RangeReader:
                 pos += src.count
                 if waited:
                     break  # the file may have changed meanwhile: resolve the rest again
-        if view_ok and not out and len(pending) == 1:
+        if view_ok and not out and not filled and len(pending) == 1:
             return pending[0]  # zero-copy: the reply copies it into the kernel
         if pending:
-            out.append(b"".join(pending))
+            settle()
+        if into is not None:
+            return memoryview(into)[:filled]
         return out[0] if len(out) == 1 else b"".join(out)
 
     async def _chunk(self, src: ChunkSource, what: str) -> list[memoryview | bytes]:

@@ -6,9 +6,15 @@ is read in blocks of BLOCK bytes, each fetched whole from a holder (verified
 by its hash there and here, peer/reads.py), and a sequential reader has the
 next AHEAD blocks in flight while it consumes the current one. Blocks are
 keyed by (file id, version, index): a rewritten file is another version and
-never meets the old one's blocks. They are plain bytes outside the arena,
-bounded by MAX_BYTES together (least recently used out); a block whose fetch
-failed is forgotten, and the reader that needs it gets the error.
+never meets the old one's blocks. They are buffers outside the arena,
+bounded by MAX_BYTES together (least recently used out) and reused: on this
+VM a fresh 4 MiB buffer costs more in first-touch page faults than the
+transfer itself. A block whose fetch failed is forgotten, and the reader
+that needs it gets the error.
+
+A read returns a view of a block; callers hand it on before their next await
+(the FUSE reply), and a buffer goes back to the pool only when its block is
+dropped, never while a fetch fills it.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ from dataclasses import dataclass, field
 
 import trio
 
-# (holders, file_id, version, offset, length) -> verified bytes; OSError if none serves.
-Fetch = Callable[[list[str], str, str, int, int], Awaitable[bytes | memoryview]]
+# (holders, file_id, version, offset, length, buffer) -> verified bytes, received
+# into the buffer; OSError if none serves.
+Fetch = Callable[[list[str], str, str, int, int, bytearray | None], Awaitable[bytes | memoryview]]
 Key = tuple[str, str, int]
 
 BLOCK = 4 << 20
@@ -33,6 +40,7 @@ class Block:
     done: trio.Event = field(default_factory=trio.Event)
     data: bytes | memoryview = b""
     error: OSError | None = None
+    buffer: bytearray | None = None
 
 
 class RemoteReader:
@@ -41,6 +49,7 @@ class RemoteReader:
         self.nursery = nursery  # for read-ahead fetches; without one, none are started
         self._blocks: OrderedDict[Key, Block] = OrderedDict()
         self._bytes = 0
+        self._free: list[bytearray] = []  # buffers of dropped blocks, for reuse
         self.blocks_fetched = 0
         self.blocks_ahead = 0
 
@@ -98,9 +107,10 @@ class RemoteReader:
         if block.done.is_set():
             return
         start = i * BLOCK
+        block.buffer = self._free.pop() if self._free else bytearray(BLOCK)
         try:
             block.data = await self.fetch(
-                list(holders), file_id, version, start, min(BLOCK, size - start)
+                list(holders), file_id, version, start, min(BLOCK, size - start), block.buffer
             )
         except OSError as exc:
             block.error = exc
@@ -122,13 +132,20 @@ class RemoteReader:
                     return
                 continue
             del self._blocks[key]
-            self._bytes -= len(block.data)
+            self._drop(block)
+
+    def _drop(self, block: Block) -> None:
+        self._bytes -= len(block.data)
+        if block.buffer is not None and len(self._free) < MAX_BYTES // BLOCK:
+            self._free.append(block.buffer)  # done: no fetch writes into it any more
+        block.buffer = None
 
     def forget(self, file_id: str) -> None:
         """Drop the blocks of every version of ``file_id`` (it became durable or went away)."""
         for key in [k for k in self._blocks if k[0] == file_id]:
             block = self._blocks.pop(key)
-            self._bytes -= len(block.data)
+            if block.done.is_set():
+                self._drop(block)  # an unfinished one is left to its fetch, then freed
 
     def stats(self) -> dict[str, int]:
         return {

@@ -66,14 +66,20 @@ class PeerNode:
         self.port: int | None = None
 
     async def fetch(
-        self, holders: list[str], file_id: str, version: str, offset: int, length: int
+        self,
+        holders: list[str],
+        file_id: str,
+        version: str,
+        offset: int,
+        length: int,
+        into: bytearray | None = None,
     ) -> bytes | memoryview:
         """A verified range of a file pending on other nodes (PeerReadError if
-        no holder serves it)."""
+        no holder serves it), received into ``into`` if given."""
         others = [h for h in holders if h != self.config.node]
         if self.fetcher is None or not others:
             raise PeerReadError(f"no other holder of {file_id}@{version} ({', '.join(holders)})")
-        return await self.fetcher.fetch(others, file_id, version, offset, length)
+        return await self.fetcher.fetch(others, file_id, version, offset, length, into)
 
     async def handle(self, peer: str, request: Request) -> Response:
         route = self.routes.get(request.type)

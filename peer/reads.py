@@ -27,8 +27,12 @@ log = logging.getLogger("ckptfs.peer.reads")
 READ = "read"  # the request type
 MAX_READ = 8 << 20  # bytes per request: bounded by the transport's payload limit
 
-# (file_id, version, offset, length) -> the bytes, or None if not held here.
-LocalRead = Callable[[str, str, int, int], Awaitable[bytes | None]]
+# (file_id, version, offset, length, buffer to copy into or None) -> the
+# bytes, or None if not held here.
+LocalRead = Callable[[str, str, int, int, bytearray | None], Awaitable[bytes | memoryview | None]]
+# Reply buffers kept for reuse: a fresh multi-MiB buffer per range costs more
+# in first-touch page faults (on this VM) than copying the range into it.
+POOL_BYTES = 32 << 20
 
 
 class PeerReadError(OSError):
@@ -46,6 +50,20 @@ class ReadServer:
         self.local_read = local_read
         self.ranges_served = 0
         self.bytes_served = 0
+        self._pool: dict[int, list[bytearray]] = {}  # free reply buffers by size
+        self._pooled = 0
+
+    def _take(self, length: int) -> bytearray:
+        free = self._pool.get(length)
+        if free:
+            self._pooled -= length
+            return free.pop()
+        return bytearray(length)
+
+    def _give_back(self, buffer: bytearray) -> None:
+        if self._pooled + len(buffer) <= POOL_BYTES:
+            self._pool.setdefault(len(buffer), []).append(buffer)
+            self._pooled += len(buffer)
 
     async def handle(self, peer: str, request: Request) -> Response:
         meta = request.meta
@@ -56,15 +74,22 @@ class ReadServer:
             return Response.fail("malformed read request")
         if offset < 0 or not 0 <= length <= MAX_READ:
             return Response.fail(f"read of {length} bytes at {offset} is out of bounds")
+        buffer = self._take(length)
         try:
-            data = await self.local_read(file_id, version, offset, length)
+            data = await self.local_read(file_id, version, offset, length, buffer)
         except OSError as exc:
+            self._give_back(buffer)
             return Response.fail(f"cannot read {file_id}@{version}: {exc}")
         if data is None:
+            self._give_back(buffer)
             return Response.fail(f"{file_id}@{version} is not held here")
         self.ranges_served += 1
         self.bytes_served += len(data)
-        return Response(meta={"hash": range_hash(data), "length": len(data)}, payload=data)
+        return Response(
+            meta={"hash": range_hash(data), "length": len(data)},
+            payload=data,
+            release=lambda: self._give_back(buffer),  # once the reply is sent
+        )
 
 
 class PeerFetcher:
@@ -90,11 +115,21 @@ class PeerFetcher:
         self.failures = 0
 
     async def fetch(
-        self, holders: Sequence[str], file_id: str, version: str, offset: int, length: int
+        self,
+        holders: Sequence[str],
+        file_id: str,
+        version: str,
+        offset: int,
+        length: int,
+        into: bytearray | None = None,
     ) -> bytes | memoryview:
         """Bytes [offset, offset+length) of that version, from the first holder
         that has them; raises PeerReadError naming every holder tried. A
-        range of one request comes back as the received buffer, not a copy."""
+        range of one request comes back as the received buffer, not a copy:
+        ``into`` (at least ``length`` long) if given, so a caller can reuse
+        memory it has touched already (fresh pages cost more than the copy)."""
+        if into is not None and length <= MAX_READ:
+            return await self._fetch_piece(holders, file_id, version, offset, length, into)
         parts: list[memoryview] = []
         got = 0
         while got < length:
@@ -107,7 +142,13 @@ class PeerFetcher:
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def _fetch_piece(
-        self, holders: Sequence[str], file_id: str, version: str, offset: int, length: int
+        self,
+        holders: Sequence[str],
+        file_id: str,
+        version: str,
+        offset: int,
+        length: int,
+        into: bytearray | None = None,
     ) -> memoryview:
         tried: list[str] = []
         # Live holders first; a holder thought dead is still worth one try.
@@ -115,7 +156,7 @@ class PeerFetcher:
             if name not in self.addresses:
                 continue
             try:
-                return await self._from(name, file_id, version, offset, length)
+                return await self._from(name, file_id, version, offset, length, into)
             except (PeerError, OSError, trio.TooSlowError) as exc:
                 self.failures += 1
                 tried.append(f"{name}: {exc}")
@@ -124,7 +165,13 @@ class PeerFetcher:
         raise PeerReadError(f"no holder served {file_id}@{version} at {offset}: {reason}")
 
     async def _from(
-        self, name: str, file_id: str, version: str, offset: int, length: int
+        self,
+        name: str,
+        file_id: str,
+        version: str,
+        offset: int,
+        length: int,
+        into: bytearray | None = None,
     ) -> memoryview:
         conn = await self._connection(name)
         meta: dict[str, Any] = {
@@ -133,7 +180,7 @@ class PeerFetcher:
             "offset": offset,
             "length": length,
         }
-        response = (await conn.request(READ, meta, timeout=self.timeout)).check()
+        response = (await conn.request(READ, meta, into=into, timeout=self.timeout)).check()
         data = response.payload  # a buffer of its own, received once: no copy
         if len(data) != response.meta.get("length") or range_hash(data) != response.meta.get(
             "hash"

@@ -480,7 +480,8 @@ class Cache:
         self._notify(f)
         if f.role is FileRole.LOCAL and f.mirror is not MirrorState.NONE:
             self.on_mirror_done(f.mirror_id, f.version)
-            f.mirror = MirrorState.NONE
+            # The next change is new content for the buddy, under a new id.
+            f.mirror, f.mirror_id = MirrorState.NONE, new_id()
         if f in self.retired or f.role is FileRole.TAKEOVER:
             # A fork, or a buddy's file taken over: durable now, and no name
             # here shows this content.
@@ -645,8 +646,9 @@ class Cache:
         return True
 
     def mirror_drop(self, origin: str, mid: str, version: str) -> bool:
-        """The writer needs no mirror of ``mid`` at ``version`` any more: "*"
-        is whatever it holds now, "" is for good (the content is gone)."""
+        """The writer needs no mirror of ``mid`` at ``version`` any more; ""
+        is for good (the content is gone or fell back: later pages of it are
+        refused)."""
         if not version:
             self._gone_mirrors[mid] = None
             if len(self._gone_mirrors) > MAX_GONE_MIRRORS:
@@ -654,7 +656,7 @@ class Cache:
         f = self.mirrors.get(mid)
         if f is None or f.origin != origin or f.role is not FileRole.MIRROR:
             return False
-        if version not in ("", "*") and (f.version != version or f.state is not FileState.PENDING):
+        if version and (f.version != version or f.state is not FileState.PENDING):
             return False  # changed since: a later commit or drop settles it
         self._drop_mirror(f)
         return True

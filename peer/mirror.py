@@ -50,10 +50,6 @@ COMMIT = "mirror.commit"
 RENAME = "mirror.rename"
 DROP = "mirror.drop"
 ROUTES = (PAGE, COMMIT, RENAME, DROP)
-# The version of a drop of whatever the buddy holds under a mirror id now
-# (a fallback); "" drops it for good (the content is gone: later pages of it
-# are refused).
-DROP_NOW = "*"
 
 # Pages in flight to the buddy at once (the writer's credits): enough to
 # keep a loopback or 25 Gb/s link busy, few enough to bound pinned slots.
@@ -384,8 +380,10 @@ class MirrorClient:
         if f.mirror is MirrorState.FALLBACK:
             return
         self.cache.set_mirror(f, MirrorState.FALLBACK)
-        self._drops.append((f.mirror_id, DROP_NOW))  # what it holds of it is no use
-        self._wake.set()
+        # What it holds of this content is no use, and pages of it still in
+        # flight must not bring it back: dropped for good (the content gets
+        # a new mirror id once it is durable).
+        self.done(f.mirror_id, "")
         self.fallbacks += 1
         self.fallback_paths = [*self.fallback_paths[-99:], f.path]
         log.warning(

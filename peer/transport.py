@@ -77,6 +77,7 @@ MiB = 1024 * 1024
 RECV_BUFFER = 256 * 1024  # read-ahead; holds the largest header + meta
 FILE_CHUNK = MiB  # pread size when sendfile cannot be used (TLS)
 SMALL_PAYLOAD = 64 * 1024  # over TLS, payloads this small go in one write with their header
+REQUEST_POOL_BYTES = 16 * MiB  # request payload buffers kept per connection for reuse
 MAX_REQUEST_TYPE = 128
 REFUSAL_LOGS_PER_SECOND = 50
 DEFAULT_CONNECT_TIMEOUT = 10.0
@@ -336,6 +337,11 @@ class _Channel:
                     raise ProtocolError("truncated frame: the stream ended inside a payload")
                 pos += got
         self._payload_left = 0
+
+    @property
+    def payload_left(self) -> int:
+        """Bytes of the current frame's payload not received yet."""
+        return self._payload_left
 
     async def read_payload(self) -> memoryview:
         if not self._payload_left:
@@ -953,6 +959,12 @@ class _ServerConnection:
         self._active: dict[int, trio.CancelScope] = {}
         self._failure: str | None = None
         self._cancel_all = trio.CancelScope()
+        # Request payload buffers, reused once their handler is done: on a VM
+        # a fresh MiB-sized buffer per request (a mirrored page) costs more in
+        # first-touch page faults than receiving into it. Handlers must not
+        # keep a request's payload past their return.
+        self._free: dict[int, list[bytearray]] = {}
+        self._pooled = 0
 
     async def run(self) -> None:
         log.info("peer %s connected", self.who)
@@ -1006,20 +1018,43 @@ class _ServerConnection:
             rtype, rmeta = _parse_request(meta)
             # At the limit, stop reading (TCP backpressure) until a handler ends.
             await self._slots.acquire()
+            buffer = self._take(self.channel.payload_left)
             try:
-                payload = await self.channel.read_payload()
+                if buffer is not None:
+                    await self.channel.read_payload_into(memoryview(buffer))
+                    payload = memoryview(buffer)
+                else:
+                    payload = await self.channel.read_payload()
             except BaseException:
                 self._slots.release()
                 raise
             scope = trio.CancelScope()
             self._active[request_id] = scope
-            nursery.start_soon(self._serve, Request(rtype, rmeta, payload, request_id), scope)
+            nursery.start_soon(
+                self._serve, Request(rtype, rmeta, payload, request_id), scope, buffer
+            )
+
+    def _take(self, size: int) -> bytearray | None:
+        if not size:
+            return None
+        free = self._free.get(size)
+        if free:
+            self._pooled -= size
+            return free.pop()
+        return bytearray(size)
+
+    def _give_back(self, buffer: bytearray | None) -> None:
+        if buffer is not None and self._pooled + len(buffer) <= REQUEST_POOL_BYTES:
+            self._free.setdefault(len(buffer), []).append(buffer)
+            self._pooled += len(buffer)
 
     def _finish(self, request_id: int) -> None:
         if self._active.pop(request_id, None) is not None:
             self._slots.release()
 
-    async def _serve(self, request: Request, scope: trio.CancelScope) -> None:
+    async def _serve(
+        self, request: Request, scope: trio.CancelScope, buffer: bytearray | None = None
+    ) -> None:
         response: Response | None = None
         try:
             with scope:
@@ -1033,6 +1068,8 @@ class _ServerConnection:
             self._finish(request.id)
             if response is not None and response.release is not None:
                 _call_release(response.release, self.who)
+            request.payload = EMPTY  # whoever still holds the request must not see reuse
+            self._give_back(buffer)
 
     async def _call_handler(self, request: Request) -> Response:
         try:

@@ -323,12 +323,20 @@ class Membership:
         peer.failures = 0
         peer.last_error = None
         incarnation = meta.get("incarnation")
+        restarted = False
         if isinstance(incarnation, str):
             if peer.incarnation is not None and incarnation != peer.incarnation:
                 log.info("peer %r restarted (new incarnation %s)", peer.name, one_line(incarnation))
+                restarted = True
             peer.incarnation = one_line(incarnation, 64)
         if not peer.alive:
             self._set_status(peer, Status.ALIVE)
+        elif restarted and self._on_alive is not None:
+            # Back before it was missed: what it held in RAM is gone all the same.
+            try:
+                self._on_alive(peer.name)
+            except Exception:
+                log.exception("alive callback for restarted peer %r failed", peer.name)
 
     def _failed(self, peer: PeerState, error: str) -> None:
         peer.failures += 1

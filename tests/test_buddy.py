@@ -304,3 +304,31 @@ def test_a_file_larger_than_the_buddys_mirror_space_falls_back_without_hanging(m
     info = file_info(n1, "small.pt")
     assert info is not None and info["holders"] == ["n1", "n2"], info
     assert (n1.mnt / "big.pt").read_bytes() == big
+
+
+def test_a_restarted_buddy_is_given_the_pending_files_again(mounts, tmp_path):
+    """n2 (n1's buddy) crashes and comes back with none of n1's mirrors; n1
+    mirrors its pending files to it again, so n1's death after that still
+    leaves them to n2's takeover."""
+    ports = {"n1": free_port(), "n2": free_port()}
+    config = cluster_config(tmp_path, ports)
+    n1, n2 = mounts("n1"), mounts("n2")
+    n1.mount("--config", str(config), "--node", "n1", env={"CKPTFS_FLUSH_BANDWIDTH": SLOW})
+    n2.mount("--config", str(config), "--node", "n2")
+    wait_for(lambda: peers_of(n1)["n2"]["alive"] and peers_of(n2)["n1"]["alive"], 30, "alive")
+    data = os.urandom(5 * MiB + 77)
+    (n1.mnt / "a.pt").write_bytes(data)
+    assert n2.stat()["mirroring"]["mirrors"] == 1
+    for m in (n1, n2):
+        m.allowed_log += PEER_LOGS + ["is dead", "taking over", "unmounted", "timed out"]
+    n2.kill()
+    n2.mount("--config", str(config), "--node", "n2")
+    wait_for(lambda: n2.stat()["mirroring"]["mirrored_bytes"] >= len(data), 30, "mirrored again")
+    assert "mirrored again" in n1.log()
+    n1.kill()
+    wait_for(
+        lambda: (m := read_manifest(n1.backing / "a.pt")) is not None and m.state == "durable",
+        60,
+        "n2 makes a.pt durable",
+    )
+    assert (n2.mnt / "a.pt").read_bytes() == data

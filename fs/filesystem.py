@@ -577,12 +577,6 @@ class FileSystem:
 
     async def _publish_content(self, f: CachedFile) -> None:
         snap = self.cache.begin_publish(f, new_id())
-        if self.mirror is not None:
-            # durability buddy: the buddy holds this very content before any
-            # manifest names it as a holder (peer/mirror.py; never raises).
-            snap.holders = await self.mirror.commit(
-                snap, self._manifest(f, snap.version, snap.size)
-            )
         journal = self.cache.journal
         record = record_of(snap)
         key = (f.file_id, snap.version)
@@ -597,6 +591,13 @@ class FileSystem:
                           "it is durable loses it", f.path, exc)  # fmt: skip
 
         try:
+            if self.mirror is not None:
+                # durability buddy: the buddy holds this very content before any
+                # manifest names it as a holder (peer/mirror.py; falls back to
+                # local rather than raise, but may be cancelled).
+                snap.holders = await self.mirror.commit(
+                    snap, self._manifest(f, snap.version, snap.size)
+                )
             path = f.path
             async with journal.locked(key):
                 result = await self.publish(

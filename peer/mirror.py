@@ -166,31 +166,38 @@ class MirrorClient:
             for p, pg in snap.pages.items()
             if pg.state is PageState.SPILLED and pg.chunk is not None
         ]
-        body = json.dumps(
-            {
-                "manifest": manifest.to_bytes().decode(),
-                "path": f.path,
-                "uid": f.uid,
-                "gid": f.gid,
-                "ram": [[p, gen, fill] for p, (gen, fill) in ram.items()],
-                "spilled": spilled,
-                "base": [[c.offset, c.length, c.hash] for c in snap.base.chunks],
-                "base_end": snap.base.end,
-            },
-            separators=(",", ":"),
-        ).encode()
+
+        def body() -> bytes:
+            # Built at each send: a rename meanwhile must not be undone here.
+            return json.dumps(
+                {
+                    "manifest": manifest.to_bytes().decode(),
+                    "path": f.path,
+                    "uid": f.uid,
+                    "gid": f.gid,
+                    "ram": [[p, gen, fill] for p, (gen, fill) in ram.items()],
+                    "spilled": spilled,
+                    "base": [[c.offset, c.length, c.hash] for c in snap.base.chunks],
+                    "base_end": snap.base.end,
+                },
+                separators=(",", ":"),
+            ).encode()
+
         need = len(ram) * self.cache.page_size
         if self.buddy_quota is not None and need > self.buddy_quota:
             raise MirrorFailed(
                 f"{need >> 20} MiB in RAM is more than buddy {self.buddy} may hold "
                 f"({self.buddy_quota >> 20} MiB)"
             )
-        acked = self._acked.setdefault(f.mirror_id, {})
+        mid = f.mirror_id
+        acked = self._acked.setdefault(mid, {})
         todo = [p for p, (gen, _fill) in ram.items() if acked.get(p) != gen]
         deadline = trio.current_time() + BUSY_WAIT
         for _round in range(COMMIT_ROUNDS):
             await self._send_pages(f, {p: ram[p][0] for p in todo}, deadline)
-            response = await self._request(COMMIT, {"mid": f.mirror_id}, body)
+            if f.mirror_id != mid:
+                raise MirrorFailed(f"{f.path} became other content while it was mirrored")
+            response = await self._request(COMMIT, {"mid": mid}, body())
             missing = response.meta.get("missing") or []
             if not missing:
                 return

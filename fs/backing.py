@@ -150,10 +150,16 @@ def _replace_manifest(
             current = read_manifest(rel, dir_fd=root)
         except FileNotFoundError:
             # A takeover may have moved it aside for an instant (see
-            # _takeover_manifest): wait for it before calling the name gone.
+            # _takeover_manifest): wait for it before calling the name gone,
+            # and never call it gone while the takeover still holds it.
             if not _wait_for_fence(root, file_id):
                 raise
-            current = read_manifest(rel, dir_fd=root)
+            try:
+                current = read_manifest(rel, dir_fd=root)
+            except FileNotFoundError:
+                raise OSError(
+                    errno.EBUSY, f"{rel}: a takeover of this file holds its name; try again"
+                ) from None
     except FileNotFoundError:
         return Published.NAME_GONE
     except ManifestError:
@@ -173,7 +179,10 @@ def _replace_manifest(
 
 
 FENCE_DIR = f"{CKPTFS_DIR}/fence"
-FENCE_STALE = 60.0  # seconds after which a fence left by a dead takeover is broken
+# Seconds after which a fence left by a dead takeover is broken: longer than a
+# backing-store call may take (backing_timeout, 120 s by default), so a live
+# takeover whose call the loop gave up on is never overtaken.
+FENCE_STALE = 300.0
 FENCE_WAIT = 5.0  # longest a publish waits for a takeover's fence to go
 
 
@@ -239,11 +248,23 @@ def _takeover_manifest(
     the name missing in that instant waits for the fence (_replace_manifest).
     """
     if not _take_fence(root, file_id):
-        return Published.STALE  # another takeover of this file is under way
+        # Not STALE: the flusher would take that as "rewritten elsewhere" and
+        # drop the only copy. An error makes it try again later.
+        raise OSError(errno.EBUSY, f"{rel}: another takeover of this file is under way")
     parent, name = os.path.split(rel)
     dfd = open_dir(parent, root)
     aside = tmp_name(name)
+    new = tmp_name(name)
     try:
+        # The new manifest is written first, so the name is missing only for
+        # a rename, a read and a link.
+        try:
+            st = os.stat(name, dir_fd=dfd)
+        except FileNotFoundError:
+            return Published.NAME_GONE
+        write_manifest(
+            os.path.join(parent, new), manifest, dir_fd=root, owner=(st.st_uid, st.st_gid)
+        )
         try:
             os.rename(name, aside, src_dir_fd=dfd, dst_dir_fd=dfd)
         except FileNotFoundError:
@@ -262,11 +283,6 @@ def _takeover_manifest(
                 if current is None or current.file_id != file_id:
                     return Published.NAME_GONE
                 return Published.STALE
-            st = os.stat(aside, dir_fd=dfd)
-            new = tmp_name(name)
-            write_manifest(
-                os.path.join(parent, new), manifest, dir_fd=root, owner=(st.st_uid, st.st_gid)
-            )
             try:
                 if call.abandoned():
                     os.link(aside, name, src_dir_fd=dfd, dst_dir_fd=dfd)
@@ -275,7 +291,6 @@ def _takeover_manifest(
             except FileExistsError:
                 return Published.STALE  # newer than what we took over: it stays
             finally:
-                os.unlink(new, dir_fd=dfd)
                 fsync_dir(dfd)
             return Published.DONE
         finally:
@@ -284,6 +299,10 @@ def _takeover_manifest(
             except FileNotFoundError:
                 pass
     finally:
+        try:
+            os.unlink(new, dir_fd=dfd)
+        except FileNotFoundError:
+            pass
         os.close(dfd)
         try:
             os.unlink(_fence(file_id), dir_fd=root)

@@ -837,6 +837,25 @@ class Cache:
         self.readahead.observe(f, off, end)
         return await self.reader.read(f, off, end, view_ok=view_ok, into=into)
 
+    async def read_held(
+        self, file_id: str, version: str, off: int, size: int, *, into: bytearray | None = None
+    ) -> bytes | memoryview | None:
+        """Bytes of exactly that version if this node holds it (for a peer, or
+        for a mirror read here); None if not. A read that waits for a chunk
+        resolves the rest of its range again afterwards, from whatever the
+        file holds then: if it changed meanwhile (a rewrite, a fork, a
+        mirrored page), the bytes would mix versions, so it is read again
+        from the version's current holder, or refused."""
+        for _attempt in range(3):
+            f = self.held_version(file_id, version)
+            if f is None:
+                return None
+            gen = f.content_gen
+            data = await self.read(f, off, size, into=into)
+            if self.held_version(file_id, version) is f and f.content_gen == gen:
+                return data
+        return None
+
     async def _read_remote(self, f: CachedFile, off: int, end: int) -> bytes | memoryview:
         """Bytes of a file pending on other nodes, from a holder (verified there
         and here by hash). When no holder serves them the file is LOST here:
@@ -845,7 +864,9 @@ class Cache:
         version = f.version
         held = self.held_version(f.file_id, version)
         if held is not None and held is not f:
-            return await self.reader.read(held, off, end)  # mirrored here
+            data = await self.read_held(f.file_id, version, off, end - off)  # mirrored here
+            if data is not None:
+                return data
         sequential = f.read_pattern.observe(off, end) is not None
         try:
             return await self.remote.read(

@@ -103,10 +103,7 @@ class Core:
     ) -> bytes | memoryview | None:
         """A range of exactly that version, for a peer (copied into ``into`` if
         given); None if not held here."""
-        f = self.cache.held_version(file_id, version)
-        if f is None:
-            return None
-        return await self.cache.read(f, offset, length, into=into)
+        return await self.cache.read_held(file_id, version, offset, length, into=into)
 
     def close(self) -> None:
         self.fs.close_all()

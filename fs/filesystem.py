@@ -591,15 +591,18 @@ class FileSystem:
                           "it is durable loses it", f.path, exc)  # fmt: skip
 
         try:
-            if self.mirror is not None:
-                # durability buddy: the buddy holds this very content before any
-                # manifest names it as a holder (peer/mirror.py; falls back to
-                # local rather than raise, but may be cancelled).
-                snap.holders = await self.mirror.commit(
-                    snap, self._manifest(f, snap.version, snap.size)
-                )
-            path = f.path
+            # Held from before the buddy's acknowledgement to the record's
+            # write: a write meanwhile waits (in _begin_change) until the
+            # record that lists these slots can be dropped, never after.
             async with journal.locked(key):
+                if self.mirror is not None:
+                    # durability buddy: the buddy holds this very content before
+                    # any manifest names it as a holder (peer/mirror.py; falls
+                    # back to local rather than raise, but may be cancelled).
+                    snap.holders = await self.mirror.commit(
+                        snap, self._manifest(f, snap.version, snap.size)
+                    )
+                path = f.path
                 result = await self.publish(
                     f,
                     lambda: self._manifest(f, snap.version, snap.size, snap.holders),

@@ -50,6 +50,9 @@ COMMIT = "mirror.commit"
 RENAME = "mirror.rename"
 DROP = "mirror.drop"
 ROUTES = (PAGE, COMMIT, RENAME, DROP)
+# The buddy's refusal while its membership does not hold the writer alive
+# (yet: it is told of a restart one heartbeat later than the writer is).
+NOT_ALIVE = "is not alive to this node"
 
 # Pages in flight to the buddy at once (the writer's credits): enough to
 # keep a loopback or 25 Gb/s link busy, few enough to bound pinned slots.
@@ -66,7 +69,7 @@ COMMIT_ROUNDS = 3  # commit, resend what the buddy lacks, commit again
 # The buddy's sweep for mirrors nobody told it to drop; a mirror younger than
 # SWEEP_AGE may belong to a commit whose manifest is being written.
 SWEEP_INTERVAL = 10.0
-SWEEP_AGE = 30.0
+SWEEP_AGE = 600.0  # well past a slow manifest write (backing_timeout, 120 s by default)
 
 
 class MirrorFailed(Exception):
@@ -150,7 +153,7 @@ class MirrorClient:
             self._fall_back(f, str(exc))
             return [self.node]
         self.commits += 1
-        if f.content_gen == snap.content_gen:
+        if f.content_gen == snap.content_gen and f.state is FileState.PUBLISHING:
             self.cache.set_mirror(f, MirrorState.ACKED)
         return [self.node, self.buddy]
 
@@ -350,12 +353,18 @@ class MirrorClient:
     ) -> Response:
         if trio.current_time() < self._down_until:
             raise MirrorFailed(self._down_reason)
+        deadline = trio.current_time() + self.timeout
         try:
-            conn = await self._connection()
-            response = await conn.request(
-                rtype, meta, payload, payload_file=payload_file, timeout=self.timeout
-            )
-            return response.check()
+            while True:
+                conn = await self._connection()
+                response = await conn.request(
+                    rtype, meta, payload, payload_file=payload_file, timeout=self.timeout
+                )
+                if response.ok or NOT_ALIVE not in (response.error or ""):
+                    return response.check()
+                if trio.current_time() > deadline:
+                    return response.check()
+                await trio.sleep(BUSY_RETRY)  # its membership catches up within a heartbeat
         except RemoteError as exc:
             raise MirrorFailed(f"buddy {self.buddy} refused: {exc}") from None
         except (PeerError, OSError, trio.TooSlowError) as exc:
@@ -471,6 +480,10 @@ class MirrorServer:
         refused = self._refuse(peer)
         if refused is not None:
             return refused
+        if request.type in (PAGE, COMMIT) and not self.is_alive(peer):
+            # Its files were (or will be) taken over here: new content from it
+            # now would be held by nobody who takes it over when it dies.
+            return Response.fail(f"{peer} {NOT_ALIVE}; not mirroring")
         try:
             if request.type == PAGE:
                 return await self._page(peer, request)
@@ -541,13 +554,20 @@ class MirrorServer:
             if f.role is not FileRole.MIRROR:
                 continue
             if f.state is FileState.PENDING:
+                version = f.version
                 try:
                     m = await self.manifest_at(f.path)
-                except (OSError, ManifestError):
+                except (OSError, ManifestError) as exc:
+                    # Cannot tell (the store is slow or failing, or a rename
+                    # is on its way): take it over; the fenced publish decides.
+                    log.info("taking over %s without a look at its manifest: %s", f.path, exc)
                     m = None
-                if f.role is not FileRole.MIRROR:
-                    continue  # changed hands while we looked
-                if m is None or m.version != f.version or m.state != "pending":
+                else:
+                    if m is None:  # a directory or a plain file there now
+                        m = Manifest(f.file_id, "", 0, 0, 0, "durable")
+                if f.role is not FileRole.MIRROR or f.version != version:
+                    continue  # changed hands, or was committed again, while we looked
+                if m is not None and (m.version != f.version or m.state != "pending"):
                     log.info("not taking over %s from %s: no longer pending there",
                              f.path, origin)  # fmt: skip
                     self.cache.mirror_drop(origin, f.mirror_id, f.version)
@@ -581,15 +601,25 @@ class MirrorServer:
                     or now - (f.closed_at or now) < SWEEP_AGE
                 ):
                     continue
+                version = f.version
                 try:
                     m = await self.manifest_at(f.path)
                 except (OSError, ManifestError):
-                    m = None
-                if m is not None and m.version == f.version and m.state == "pending":
+                    continue  # missing (a rename on its way?) or unreadable: keep it
+                if m is not None and m.version == version and m.state == "pending":
                     continue
-                if self.cache.mirror_drop(f.origin, f.mirror_id, f.version):
+                if self.cache.mirror_drop(f.origin, f.mirror_id, version):
                     log.info("dropped the mirror of %s from %s: no longer pending there",
                              f.path, f.origin)  # fmt: skip
+
+    def restarted(self, origin: str) -> int:
+        """``origin`` came back as a new process: what it was still sending
+        (mirrors never committed) will never be committed; drop it."""
+        dropped = 0
+        for f in self.cache.mirrors_of(origin):
+            if f.role is FileRole.MIRROR and f.state is not FileState.PENDING:
+                dropped += self.cache.mirror_drop(origin, f.mirror_id, "")
+        return dropped
 
     def stats(self) -> dict[str, Any]:
         mirrors = list(self.cache.mirrors.values())

@@ -149,6 +149,8 @@ class PeerNode:
 
     def _alive(self, name: str) -> None:
         log.debug("peer %s alive (membership logs the change)", name)
+        if name in self.config.mirrored_for():
+            self.mirror_server.restarted(name)
         if name == self.config.buddy and self.mirror_client is not None and self._nursery:
             # It may have restarted with none of our mirrors.
             self._nursery.start_soon(self.mirror_client.resync)

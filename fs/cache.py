@@ -642,6 +642,8 @@ class Cache:
         f = self.mirrors.get(mid)
         if f is None or f.origin != origin:
             return False
+        if f.path and f.path != path:
+            f.prior_paths = [*f.prior_paths[-3:], f.path]
         f.path = path
         return True
 

@@ -150,6 +150,7 @@ class CachedFile:
     # a new file, a fork); for a MIRROR, the writer node it came from.
     mirror_id: str = ""
     origin: str = ""
+    prior_paths: list[str] = field(default_factory=list)  # a mirror's paths before renames
     pages: dict[int, Page] = field(default_factory=dict)
     base: ChunkMap = field(default_factory=ChunkMap)
     chunking: str = "fixed"

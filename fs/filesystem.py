@@ -117,7 +117,9 @@ class BuddyMirror(Protocol):
         """Have the buddy hold ``snap``; the holders its pending manifest names."""
         ...
 
-    async def renamed(self, files: list[CachedFile]) -> None: ...
+    async def renaming(self, moves: list[tuple[CachedFile, str]]) -> None:
+        """Tell the buddy each file's new path, before the rename happens."""
+        ...
 
 
 class FileSystem:
@@ -336,17 +338,25 @@ class FileSystem:
                 target = None
             if target is not None and flags:
                 raise FsError(errno.EEXIST)
+            if self.mirror is not None:
+                # A takeover publishes at the path its buddy knows: a closed,
+                # renamed file (torch.save to a temporary name, then os.replace)
+                # must not be lost because the writer died between the rename
+                # and telling the buddy. So the buddy hears first (it keeps
+                # the old path too, in case this rename then fails).
+                await self.mirror.renaming(
+                    [
+                        (f, new_path + f.path[len(old_path) :])
+                        for f in self.cache.all_files()
+                        if f.path == old_path or f.path.startswith(old_path + "/")
+                    ]
+                )
             await self.backing.rename(old_path, new_path)
             if target is not None and target.ident != source.ident:
                 self._removed(p_new, new, target)
             inode = self.inodes.child(p_old, old) or self._bind(p_old, old, source)
             self.inodes.move(inode, p_new, new)
             moved = self._repath(old_path, new_path)
-        if self.mirror is not None:
-            # A takeover publishes at the path its buddy last told it: a closed,
-            # renamed file (torch.save to a temporary name, then os.replace)
-            # must not be lost because the buddy looked at the old name.
-            await self.mirror.renamed(moved)
         # Pending versions' journal records name the path recovery looks at.
         for f in moved:
             if f.state is FileState.PENDING:

@@ -279,13 +279,13 @@ class MirrorClient:
             self.bytes_sent += fill
             return True
 
-    async def renamed(self, files: list[CachedFile]) -> None:
-        """Tell the buddy the new paths of mirrored files (before rename returns)."""
-        for f in files:
+    async def renaming(self, moves: list[tuple[CachedFile, str]]) -> None:
+        """Tell the buddy the new paths of mirrored files, before the rename."""
+        for f, path in moves:
             if f.mirror in (MirrorState.NONE, MirrorState.FALLBACK) or f.role is not FileRole.LOCAL:
                 continue
             try:
-                await self._request(RENAME, {"mid": f.mirror_id, "path": f.path})
+                await self._request(RENAME, {"mid": f.mirror_id, "path": path})
             except MirrorFailed as exc:
                 self._fall_back(f, str(exc))
 
@@ -556,7 +556,7 @@ class MirrorServer:
             if f.state is FileState.PENDING:
                 version = f.version
                 try:
-                    m = await self.manifest_at(f.path)
+                    m = await self._manifest_of(f)
                 except (OSError, ManifestError) as exc:
                     # Cannot tell (the store is slow or failing, or a rename
                     # is on its way): take it over; the fenced publish decides.
@@ -585,6 +585,19 @@ class MirrorServer:
         self.takeovers += taken
         log.info("peer %s dead: took over %d mirrored file(s)", origin, taken)
         return taken
+
+    async def _manifest_of(self, f: CachedFile) -> Manifest | None:
+        """The manifest at the mirror's path, or at a path it had before (a
+        rename the writer announced may have failed); adopts the path found."""
+        for path in [f.path, *reversed(f.prior_paths)]:
+            try:
+                m = await self.manifest_at(path)
+            except FileNotFoundError:
+                continue
+            if m is not None and m.file_id == f.file_id:
+                f.path = path
+                return m
+        return await self.manifest_at(f.path)  # raises FileNotFoundError if none
 
     async def sweep(self) -> None:
         """Background: drop mirrors whose version is no longer pending at its

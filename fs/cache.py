@@ -87,8 +87,8 @@ class Cache:
         self.page_size = arena.slot_size
         self.frames = FrameCache(arena, store, io)
         # Set when this node has peers: reads of files pending elsewhere.
-        self.peer_fetch: PeerFetch | None = None
-        self.remote = RemoteReader(self._fetch_remote)  # pipelined reads through peer_fetch
+        self._peer_fetch: PeerFetch | None = None
+        self.remote = RemoteReader(self._no_peers)  # pipelined reads through peer_fetch
         # Every read resolves its range through the reader (fs/readsource.py);
         # sequential readers make the read-ahead fetch the next chunks early.
         self.reader = RangeReader(arena, self.frames, self.try_alloc)
@@ -527,15 +527,7 @@ class Cache:
         Waits up to ``timeout`` for room within the mirror quota and returns
         False if there is none (the writer retries: a full buddy slows it).
         """
-        if mid in self._gone_mirrors:
-            raise OSError(errno.ESTALE, f"mirror {mid} of {file_id} was dropped by its writer")
-        f = self.mirrors.get(mid)
-        if f is None:
-            f = CachedFile(file_id, "", "", 0, 0o600, 0, 0, 0, 0, self.page_size)
-            f.role, f.mirror_id, f.origin = FileRole.MIRROR, mid, origin
-            self.mirrors[mid] = f
-        if f.role is not FileRole.MIRROR or f.origin != origin:
-            raise OSError(errno.EBUSY, f"mirror {mid} of {file_id} is not {origin}'s to change")
+        f = self._mirror_for(origin, mid, file_id, file_id)
         page = f.pages.get(p)
         if page is None or not page.in_ram or self.arena.pinned(page.slot):
             slot = await self._alloc_mirror(timeout)
@@ -558,6 +550,20 @@ class Cache:
         f.state = FileState.MODIFIED
         f.content_gen = next(self._gen)
         return True
+
+    def _mirror_for(self, origin: str, mid: str, file_id: str, what: str) -> CachedFile:
+        """The mirror ``mid`` of ``origin``'s content, made on its first page or
+        commit; refused if the writer dropped it for good or it is not theirs."""
+        if mid in self._gone_mirrors:
+            raise OSError(errno.ESTALE, f"mirror {mid} of {what} was dropped by its writer")
+        f = self.mirrors.get(mid)
+        if f is None:
+            f = CachedFile(file_id, "", "", 0, 0o600, 0, 0, 0, 0, self.page_size)
+            f.role, f.mirror_id, f.origin = FileRole.MIRROR, mid, origin
+            self.mirrors[mid] = f
+        if f.role is not FileRole.MIRROR or f.origin != origin:
+            raise OSError(errno.EBUSY, f"mirror {mid} of {what} is not {origin}'s to change")
+        return f
 
     async def _alloc_mirror(self, timeout: float) -> int | None:
         with trio.move_on_after(timeout):
@@ -597,15 +603,7 @@ class Cache:
         buddy must hold, ``spilled`` the pages already in chunks. Returns the
         pages whose generation does not match (to send again); when none, the
         mirror is that version, PENDING, and serves it."""
-        if mid in self._gone_mirrors:
-            raise OSError(errno.ESTALE, f"mirror {mid} of {path} was dropped by its writer")
-        f = self.mirrors.get(mid)
-        if f is None:
-            f = CachedFile(manifest.file_id, "", "", 0, 0o600, 0, 0, 0, 0, self.page_size)
-            f.role, f.mirror_id, f.origin = FileRole.MIRROR, mid, origin
-            self.mirrors[mid] = f
-        if f.role is not FileRole.MIRROR or f.origin != origin:
-            raise OSError(errno.EBUSY, f"mirror {mid} of {path} is not {origin}'s to change")
+        f = self._mirror_for(origin, mid, manifest.file_id, path)
         missing = [
             p
             for p, (gen, fill) in ram.items()
@@ -882,17 +880,18 @@ class Cache:
                 log.error("%s is lost here: %s", f.path, f.lost_reason)
             raise FileLost(f"{f.path}: {exc}") from None
 
-    async def _fetch_remote(
-        self,
-        holders: list[str],
-        file_id: str,
-        version: str,
-        offset: int,
-        length: int,
-        into: bytearray | None,
-    ) -> bytes | memoryview:
-        assert self.peer_fetch is not None
-        return await self.peer_fetch(holders, file_id, version, offset, length, into)
+    @property
+    def peer_fetch(self) -> PeerFetch | None:
+        return self._peer_fetch
+
+    @peer_fetch.setter
+    def peer_fetch(self, fetch: PeerFetch | None) -> None:
+        self._peer_fetch = fetch
+        self.remote.fetch = fetch or self._no_peers
+
+    @staticmethod
+    async def _no_peers(*args: object) -> bytes:
+        raise OSError(errno.EHOSTUNREACH, "no peers to read a file pending elsewhere from")
 
     async def chunk_bytes(self, chunk: Chunk, start: int, count: int, what: str) -> bytes:
         """Verified bytes of a stored chunk, through a frame when there is room."""

@@ -40,7 +40,8 @@ from ckptfs.fs.cachedfile import CachedFile, ChunkMap, Snapshot
 from ckptfs.fs.manifest import Chunk, Manifest, ManifestError
 from ckptfs.fs.state import FileRole, FileState, MirrorState, PageState
 
-from .transport import PeerClient, PeerConnection, RemoteError, Request, Response
+from .dialer import Dialer
+from .transport import PeerClient, RemoteError, Request, Response
 from .wire import PeerError
 
 log = logging.getLogger("ckptfs.peer.mirror")
@@ -94,11 +95,9 @@ class MirrorClient:
         self.client = client
         self.node = node
         self.buddy = buddy
-        self.address = address
         self.timeout = timeout
         self.is_alive = is_alive
-        self._conn: PeerConnection | None = None
-        self._dialing = trio.Lock()
+        self.dialer = Dialer({buddy: address}, timeout=timeout)
         self._credits = trio.CapacityLimiter(IN_FLIGHT)
         self._changed: dict[CachedFile, set[int]] = {}
         self._acked: dict[str, dict[int, int]] = {}  # mirror id -> page -> generation
@@ -356,7 +355,9 @@ class MirrorClient:
         deadline = trio.current_time() + self.timeout
         try:
             while True:
-                conn = await self._connection()
+                conn = await self.dialer.connection(
+                    self.client, self.buddy, before_dial=self._refuse_if_down
+                )
                 response = await conn.request(
                     rtype, meta, payload, payload_file=payload_file, timeout=self.timeout
                 )
@@ -370,26 +371,12 @@ class MirrorClient:
         except (PeerError, OSError, trio.TooSlowError) as exc:
             self._down_until = trio.current_time() + self.timeout
             self._down_reason = f"buddy {self.buddy}: {exc}"
-            await self._forget()
+            await self.dialer.forget(self.buddy)
             raise MirrorFailed(self._down_reason) from None
 
-    async def _connection(self) -> PeerConnection:
-        async with self._dialing:
-            if self._conn is not None and self._conn.close_reason is None:
-                return self._conn
-            if trio.current_time() < self._down_until:
-                raise MirrorFailed(self._down_reason)  # failed while we waited to dial
-            host, port = self.address
-            self._conn = await self.client.connect(
-                host, port, expect_node=self.buddy, timeout=self.timeout
-            )
-            return self._conn
-
-    async def _forget(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            with trio.move_on_after(self.timeout):
-                await conn.aclose()
+    def _refuse_if_down(self) -> None:
+        if trio.current_time() < self._down_until:
+            raise MirrorFailed(self._down_reason)  # it failed while we waited to dial
 
     def _fall_back(self, f: CachedFile, reason: str) -> None:
         self._changed.pop(f, None)

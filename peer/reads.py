@@ -19,7 +19,8 @@ from typing import Any
 import trio
 import xxhash
 
-from .transport import PeerClient, PeerConnection, Request, Response
+from .dialer import Dialer
+from .transport import PeerClient, Request, Response
 from .wire import PeerError
 
 log = logging.getLogger("ckptfs.peer.reads")
@@ -108,8 +109,7 @@ class PeerFetcher:
         self.addresses = addresses
         self.timeout = timeout
         self.is_alive = is_alive
-        self._connections: dict[str, PeerConnection] = {}
-        self._dialing: dict[str, trio.Lock] = {}
+        self.dialer = Dialer(addresses, timeout=timeout)
         self.ranges_fetched = 0
         self.bytes_fetched = 0
         self.failures = 0
@@ -160,7 +160,7 @@ class PeerFetcher:
             except (PeerError, OSError, trio.TooSlowError) as exc:
                 self.failures += 1
                 tried.append(f"{name}: {exc}")
-                await self._forget(name)
+                await self.dialer.forget(name)
         reason = "; ".join(tried) or f"no reachable holder among {', '.join(holders) or 'none'}"
         raise PeerReadError(f"no holder served {file_id}@{version} at {offset}: {reason}")
 
@@ -173,7 +173,7 @@ class PeerFetcher:
         length: int,
         into: bytearray | None = None,
     ) -> memoryview:
-        conn = await self._connection(name)
+        conn = await self.dialer.connection(self.client, name)
         meta: dict[str, Any] = {
             "file_id": file_id,
             "version": version,
@@ -191,24 +191,6 @@ class PeerFetcher:
         self.ranges_fetched += 1
         self.bytes_fetched += len(data)
         return data
-
-    async def _connection(self, name: str) -> PeerConnection:
-        lock = self._dialing.setdefault(name, trio.Lock())
-        async with lock:  # one dial per peer at a time
-            conn = self._connections.get(name)
-            if conn is not None and conn.close_reason is None:
-                return conn
-            host, port = self.addresses[name]
-            conn = await self.client.connect(host, port, expect_node=name, timeout=self.timeout)
-            self._connections[name] = conn
-            return conn
-
-    async def _forget(self, name: str) -> None:
-        """Drop the connection after a failure: the next read dials afresh."""
-        conn = self._connections.pop(name, None)
-        if conn is not None:
-            with trio.move_on_after(self.timeout):
-                await conn.aclose()
 
     def stats(self) -> dict[str, int]:
         return {

@@ -45,7 +45,8 @@ from ckptfs.fs.chunkstore import pieces_hash
 from ckptfs.fs.frames import FrameCache
 from ckptfs.fs.manifest import Chunk
 
-from .transport import PeerClient, PeerConnection, RemoteError, Request, Response
+from .dialer import Dialer
+from .transport import PeerClient, RemoteError, Request, Response
 from .wire import PeerError
 
 if TYPE_CHECKING:
@@ -176,8 +177,7 @@ class RepresentativeFetch:
         self.client = client  # None until the peer node runs
         self.timeout = timeout
         self.hash_limiter = trio.CapacityLimiter(HASH_THREADS)
-        self._connections: dict[str, PeerConnection] = {}
-        self._dialing: dict[str, trio.Lock] = {}
+        self.dialer = Dialer(addresses, timeout=timeout)
         # A node that just failed us is skipped for one timeout, so that a hung
         # one costs one timeout, not one per chunk, until membership notices.
         self._suspect: dict[str, float] = {}
@@ -220,7 +220,7 @@ class RepresentativeFetch:
                 # Lost, refused or silent: skip it for one timeout (then try
                 # again), and dial afresh.
                 self._suspect[rep] = time.monotonic() + self.timeout
-                await self._forget(rep)
+                await self.dialer.forget(rep)
             log.info(
                 "chunk %s of %s: representative %s failed (%s); reading it from the backing "
                 "store%s",
@@ -240,7 +240,9 @@ class RepresentativeFetch:
         self, client: PeerClient, rep: str, chunk: Chunk, views: list[memoryview]
     ) -> None:
         """Every piece of the chunk from ``rep``, at once, each into its slot."""
-        conn = await self._connection(client, rep)
+        # A connection of its own per peer: bulk transfers must not delay
+        # heartbeats (membership) or peer reads of pending files.
+        conn = await self.dialer.connection(client, rep)
         size = len(views[0])
         failure: list[BaseException] = []
 
@@ -265,26 +267,6 @@ class RepresentativeFetch:
                 nursery.start_soon(piece, index, offset, count)
         if failure:
             raise failure[0]
-
-    async def _connection(self, client: PeerClient, name: str) -> PeerConnection:
-        """A connection of its own per peer: bulk transfers must not delay
-        heartbeats (membership) or peer reads of pending files."""
-        lock = self._dialing.setdefault(name, trio.Lock())
-        async with lock:  # one dial per peer at a time
-            conn = self._connections.get(name)
-            if conn is not None and not conn.closed:
-                return conn
-            host, port = self.addresses[name]
-            conn = await client.connect(host, port, expect_node=name, timeout=self.timeout)
-            self._connections[name] = conn
-            return conn
-
-    async def _forget(self, name: str) -> None:
-        """Drop the connection after a failure: the next fetch dials afresh."""
-        conn = self._connections.pop(name, None)
-        if conn is not None:
-            with trio.move_on_after(self.timeout):
-                await conn.aclose()
 
 
 def _first_bytes(views: list[memoryview], count: int) -> list[memoryview]:

@@ -65,6 +65,10 @@ class Link:
         self.close_reason: str | None = None
         self.requests = 0
 
+    @property
+    def closed(self) -> bool:
+        return self.close_reason is not None
+
     async def _yield(self) -> None:
         n = self.yields[self.i % len(self.yields)] if self.yields else 0
         self.i += 1

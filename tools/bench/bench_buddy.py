@@ -43,6 +43,7 @@ from .benchlib import (
     build_state_dict,
     ckptfs,
     detach,
+    drop_page_cache,
     is_mounted,
     machine,
     save,
@@ -57,11 +58,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def drop_caches() -> None:
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
 class Cluster:
@@ -205,7 +201,7 @@ def run(args: argparse.Namespace, c: Cluster) -> None:
             path = c.mnt("n1") / f"restore{i}.pt"
             save(sd, path, "restore source")
             for what, node in (("n1 own RAM", "n1"), ("n3 from peer RAM", "n3")):
-                drop_caches()
+                drop_page_cache()
                 rewarm()
                 seconds, loaded = timed(
                     lambda n=node, p=path: torch.load(c.mnt(n) / p.name, weights_only=True)

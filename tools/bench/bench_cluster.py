@@ -48,6 +48,7 @@ from .benchlib import (
     Rewarm,
     build_state_dict,
     detach,
+    drop_page_cache,
     is_mounted,
     machine,
     print_lines,
@@ -194,8 +195,7 @@ def wait_ready(nodes: list[Node], peers: list[Node]) -> None:
 def make_cold(nodes: list[Node]) -> None:
     for n in nodes:
         n.cli("evict", str(n.mnt))
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    drop_page_cache()
 
 
 def restore(paths: list[Path], expect: int, rewarm: Rewarm) -> tuple[float, float]:

@@ -75,6 +75,7 @@ from .benchlib import (
     BenchError,
     Layout,
     Rewarm,
+    drop_page_cache,
     fsync_path,
     machine,
     markdown_lines,
@@ -150,15 +151,6 @@ def process_memory(pid: int) -> dict[str, int]:
             if key in ("VmRSS", "RssAnon"):
                 out[key] = int(value.split()[0]) * 1024
     return out
-
-
-def drop_page_cache() -> None:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-    except OSError as exc:
-        raise BenchError(f"cannot drop the page cache (run as root): {exc}") from None
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -593,7 +585,7 @@ class Bench:
     notes: list[str] = field(default_factory=list)
 
     def prepare(self) -> None:
-        drop_page_cache()
+        drop_page_cache("1")
         self.rewarm()
 
     def plain_dir(self, label: str) -> Path:

@@ -53,6 +53,7 @@ from .benchlib import (
     Rewarm,
     build_state_dict,
     ckptfs,
+    drop_page_cache,
     fsync_path,
     machine,
     meminfo,
@@ -101,15 +102,6 @@ class Bench:
 
 
 # ----- helpers ---------------------------------------------------------------------------
-
-
-def drop_page_cache() -> None:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError as exc:
-        raise BenchError(f"cannot drop the page cache (run as root): {exc}") from None
 
 
 def evict(layout: Layout, path: Path) -> None:

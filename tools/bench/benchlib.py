@@ -70,6 +70,16 @@ def fsync_path(path: Path, directory: bool = False) -> None:
 # ----- memory ---------------------------------------------------------------------------
 
 
+def drop_page_cache(level: str = "3") -> None:
+    """sync, then drop the kernel's page cache (1) and its dentries and inodes (3)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write(f"{level}\n")
+    except OSError as exc:
+        raise BenchError(f"cannot drop the page cache (run as root): {exc}") from None
+
+
 def meminfo() -> dict[str, int]:
     """/proc/meminfo in bytes."""
     values: dict[str, int] = {}

@@ -44,6 +44,13 @@ PRIVILEGE_BITS = stat.S_ISUID | stat.S_ISGID
 RETRY_INTERVAL = 5.0
 # Below the kernel's own attribute timeout: no staler than what it caches anyway.
 DIR_ATTR_REUSE = 0.5
+# st_blksize sizes the buffers of Python's open() and of stdio. Without the
+# writeback cache each buffered write() is one FUSE request, so a file being
+# written gets large ones; any other file gets a local disk's, so that a
+# reader's small reads after a seek (torch's zip directory) do not refill
+# 1 MiB from the page cache each time (docs/PERFORMANCE.md).
+WRITE_BLKSIZE = 1 << 20
+READ_BLKSIZE = 4096
 
 
 class FsError(OSError):
@@ -68,6 +75,7 @@ class Attr:
     atime_ns: int
     mtime_ns: int
     ctime_ns: int
+    blksize: int = READ_BLKSIZE
 
 
 @dataclass
@@ -165,6 +173,7 @@ class FileSystem:
             atime_ns=atime,
             mtime_ns=mtime,
             ctime_ns=st.st_ctime_ns if st else now,
+            blksize=WRITE_BLKSIZE if f is not None and f.writers else READ_BLKSIZE,
         )
 
     @staticmethod

@@ -111,7 +111,7 @@ def entry(attr: Attr) -> pyfuse3.EntryAttributes:
     e.st_gid = attr.gid
     e.st_rdev = 0
     e.st_size = attr.size
-    e.st_blksize = 1 << 20
+    e.st_blksize = attr.blksize
     e.st_blocks = -(-attr.size // 512)
     e.st_atime_ns = attr.atime_ns
     e.st_mtime_ns = attr.mtime_ns

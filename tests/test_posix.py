@@ -191,3 +191,24 @@ def test_large_directory_listing_is_complete_and_stable(mounted):
     assert set(os.listdir(d)) == names
     assert set(os.listdir(d)) == names
     assert all((d / n).stat().st_size == 0 for n in list(names)[:50])
+
+
+def test_block_size_is_large_while_written_and_small_for_readers(mounted):
+    """st_blksize sizes Python's and stdio's buffers: a file being written gets
+    1 MiB writes (one FUSE request each), a file being read gets a local disk's
+    4 KiB, so that small reads after a seek do not refill 1 MiB."""
+    p = mounted.mnt / "blk.bin"
+    payload = os.urandom(3 << 20)
+    with open(p, "wb") as f:  # create
+        assert os.fstat(f.fileno()).st_blksize == 1 << 20
+        f.write(payload)
+    assert p.stat().st_blksize == 4096
+    with open(p, "rb") as f:
+        assert os.fstat(f.fileno()).st_blksize == 4096
+        assert f.read() == payload
+    assert p.stat().st_blksize == 4096  # the kernel caches these attributes
+    with open(p, "wb") as f:  # O_TRUNC over the existing file: the kernel asks again
+        assert os.fstat(f.fileno()).st_blksize == 1 << 20
+        f.write(payload[::-1])
+    assert p.read_bytes() == payload[::-1]
+    assert p.stat().st_blksize == 4096

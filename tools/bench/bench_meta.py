@@ -23,7 +23,9 @@ between rounds), every operation on --ops files, one call at a time:
   file, reads the zip directory, takes os.path.getsize, then opens the path
   again, mmaps it and closes that fd. The same steps are timed here on a small
   torch.save'd checkpoint (a zipfile-written one without torch), from before the
-  first open until the mapping exists, and, with torch installed, the whole
+  first open until the mapping exists; the race window (a replace of the path
+  inside it tears the load) ends when the second open returns, as the second
+  descriptor is then bound to a version; and, with torch installed, the whole
   ``torch.load(mmap=True, weights_only=True)`` call; the name cached in both, as
   after ``os.path.exists(path)``.
 
@@ -88,6 +90,7 @@ OPS = (
     "reopen window",
     "  open + zip directory",
     "  getsize + reopen + mmap",
+    "race window",
     "torch.load(mmap=True)",
 )
 
@@ -128,10 +131,13 @@ def time_each(
     return out
 
 
-def reopen_window(path: Path) -> tuple[int, int]:
+def reopen_window(path: Path) -> tuple[int, int, int]:
     """What torch.load(path, mmap=True) does before it has its mapping.
 
-    Returns nanoseconds (first open + zip directory, getsize + reopen + mmap).
+    Returns nanoseconds: first open + zip directory, getsize + reopen + mmap,
+    and the race window: from the first open's start until the second open
+    returns. A replace of the path inside it tears the load; after it, both
+    descriptors are bound to their versions and the mmap and close cannot.
     """
     start = now_ns()
     with open(path, "rb") as f:
@@ -142,6 +148,7 @@ def reopen_window(path: Path) -> tuple[int, int]:
             read = now_ns()
             size = os.path.getsize(path)  # torch.load, before UntypedStorage.from_file
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # from_file: open, fstat, mmap, close
+            reopened = now_ns()
             try:
                 os.fstat(fd)
                 mapping = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ)
@@ -149,26 +156,28 @@ def reopen_window(path: Path) -> tuple[int, int]:
                 os.close(fd)
             mapped = now_ns()
             mapping.close()
-    return read - start, mapped - read
+    return read - start, mapped - read, reopened - start
 
 
-def time_windows(paths: list[Path]) -> tuple[list[int], list[int], list[int]]:
-    """(whole window, first part, second part) in ns for each path, its name
-    cached (a stat right before, untimed)."""
+def time_windows(paths: list[Path]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(whole window, first part, second part, race window) in ns for each
+    path, its name cached (a stat right before, untimed)."""
     whole: list[int] = []
     first: list[int] = []
     second: list[int] = []
+    race: list[int] = []
     gc.disable()
     try:
         for path in paths:
             os.stat(path)
-            a, b = reopen_window(path)
+            a, b, r = reopen_window(path)
             whole.append(a + b)
             first.append(a)
             second.append(b)
+            race.append(r)
     finally:
         gc.enable()
-    return whole, first, second
+    return whole, first, second, race
 
 
 def torch_loader() -> Callable[[Path], object] | None:
@@ -258,12 +267,13 @@ def one_round(target: Target, tag: str, load: Callable[[Path], object] | None) -
     target.quiesce()
 
     # Names cached, as for torch.load right after os.path.exists(path).
-    whole, first, second = time_windows(target.zips)
+    whole, first, second, race = time_windows(target.zips)
     s["reopen window"], s["  open + zip directory"], s["  getsize + reopen + mmap"] = (
         whole,
         first,
         second,
     )
+    s["race window"] = race
     if load is not None:
         s["torch.load(mmap=True)"] = time_each(load, target.zips, before=os.stat)
     return s
@@ -356,7 +366,9 @@ def context(
         f"os.path.getsize, second open + fstat + mmap(MAP_PRIVATE) + close, on "
         f"{'torch.save' if torch else 'zipfile'}-written checkpoints of {ZIP_TENSORS} x "
         f"{ZIP_TENSOR_BYTES >> 10} KiB, cycled over {ZIP_FILES} files, each name cached (a stat "
-        "right before, untimed, as after os.path.exists); torch.load the same way",
+        "right before, untimed, as after os.path.exists); race window: from the first open's "
+        "start until the second open returns (a replace after that cannot tear the load); "
+        "torch.load the same way",
         "ratio = ckptfs / plain (time); µs = microseconds",
     ]
 

@@ -185,6 +185,29 @@ def test_a_rewritten_file_never_reads_the_prefetched_old_version(tmp_path):
     with_background(cache, body)
 
 
+def test_a_cold_read_completes_with_the_cache_full_of_dirty_bytes(tmp_path):
+    """Readers never wait for memory: with every slot holding bytes that are
+    not yet stored anywhere else (nothing can be evicted or spilled: no
+    flusher here), a cold read still completes, with the right bytes."""
+    cache, store = make_cache(tmp_path, 16 * MiB)
+    data = rand(12 * MiB, 11)
+    f = durable_file(cache, store, data, MiB)
+    dirty = cache.new_file(new_id(), new_id(), "dirty.bin", 0o644, 0, 0)
+    blob = rand(cache.arena.nslots * cache.page_size, 12)
+
+    async def body() -> None:
+        with trio.fail_after(20):
+            await cache.write(dirty, 0, blob)
+        assert cache.dirty_pages == cache.arena.used_slots == cache.arena.nslots
+        with trio.fail_after(20):
+            assert await read_all(cache, f, 256 * 1024) == data
+        # The dirty bytes are untouched.
+        assert await cache.read(dirty, 0, len(blob)) == blob
+
+    with_background(cache, body)
+    assert set(store.reads) == {c.hash for c in f.base.chunks}
+
+
 def test_read_ahead_stays_within_its_share_of_a_small_cache(tmp_path):
     cache, store = make_cache(tmp_path, 16 * MiB)
     data = rand(48 * MiB, 6)  # three times the cache
@@ -327,6 +350,29 @@ def test_mount_corrupt_chunk_is_eio_at_its_range_and_never_wrong_bytes(mounted):
         assert os.pread(fd, MiB, bad.end) == data[bad.end : bad.end + MiB]
     finally:
         os.close(fd)
+
+
+def test_mount_a_name_renamed_over_during_read_ahead_serves_each_version_whole(mounted):
+    """A reader holds the old file open while its read-ahead runs; another file
+    is renamed over its name. The open descriptor keeps reading the old bytes
+    to the end, and a new open of the name reads only the new ones."""
+    m = mounted
+    old, new = rand(48 * MiB + 123, 21), rand(40 * MiB + 7, 22)
+    (m.mnt / "ckpt.pt").write_bytes(old)
+    (m.mnt / "ckpt.pt.tmp").write_bytes(new)
+    m.wait_durable()
+    cold(m, "ckpt.pt")
+    drop_kernel_cache(m.mnt / "ckpt.pt.tmp")
+    started = m.stat()["cache"]["readahead"]["started"]
+    with open(m.mnt / "ckpt.pt", "rb", buffering=0) as reader:
+        got = bytearray(reader.read(8 * MiB))
+        assert m.stat()["cache"]["readahead"]["started"] > started  # chunks are being read ahead
+        os.replace(m.mnt / "ckpt.pt.tmp", m.mnt / "ckpt.pt")
+        assert (m.mnt / "ckpt.pt").read_bytes() == new
+        while piece := reader.read(4 * MiB):
+            got += piece
+    assert got == old
+    assert (m.mnt / "ckpt.pt").read_bytes() == new
 
 
 def test_mount_cold_read_of_a_file_larger_than_the_cache_stays_in_budget(mounts):

@@ -41,8 +41,10 @@ Copies: on a plain TCP socket a received payload is read by ``recv_into``
 straight into its final buffer (a fresh bytearray, or the caller's ``into``
 buffer); only the first bytes of a payload that arrived with its header pass
 through the 256 KiB read-ahead buffer. Headers and payloads go out together
-with ``sendmsg``, and a ``payload_file=(fd, offset, length)`` goes out with
-``os.sendfile``. Over TLS the ssl module needs its own buffers: payloads are
+with ``sendmsg``, and a ``payload_file=(fd, offset, length)`` (or a list of
+such ranges) goes out with ``os.sendfile``, from a worker thread once the
+ranges add up to THREAD_SENDFILE, so that the copy does not hold up the
+event loop. Over TLS the ssl module needs its own buffers: payloads are
 copied in and out of them, and files are read with pread in 1 MiB pieces.
 
 The server survives hostile connections: at most ``max_unauthenticated``
@@ -56,10 +58,11 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import ssl
 import stat
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -77,6 +80,7 @@ MiB = 1024 * 1024
 RECV_BUFFER = 256 * 1024  # read-ahead; holds the largest header + meta
 FILE_CHUNK = MiB  # pread size when sendfile cannot be used (TLS)
 SMALL_PAYLOAD = 64 * 1024  # over TLS, payloads this small go in one write with their header
+THREAD_SENDFILE = 2 * MiB  # payload files this large are sent from a worker thread
 REQUEST_POOL_BYTES = 16 * MiB  # request payload buffers kept per connection for reuse
 MAX_REQUEST_TYPE = 128
 REFUSAL_LOGS_PER_SECOND = 50
@@ -84,6 +88,8 @@ DEFAULT_CONNECT_TIMEOUT = 10.0
 EMPTY = memoryview(b"")
 
 PayloadFile = tuple[int, int, int]  # (fd, offset, length)
+# One range of a file, or several sent one after another as one payload.
+FileRanges = PayloadFile | Sequence[PayloadFile]
 
 
 class PeerTimeout(PeerError):
@@ -132,15 +138,16 @@ class Response:
     """A handler's answer; on the client, what came back.
 
     ``payload_file`` sends (fd, offset, length) of a regular file instead of
-    ``payload``; ``release`` (server side) is called once the response has
-    been sent or abandoned, e.g. to close that fd or unpin cache pages.
-    Received payloads are always memoryviews.
+    ``payload`` (or several such ranges, one after another); ``release``
+    (server side) is called once the response has been sent or abandoned,
+    e.g. to close that fd or unpin cache pages. Received payloads are always
+    memoryviews.
     """
 
     meta: dict[str, Any] = field(default_factory=dict)
     payload: Buffer = b""
     error: str | None = None
-    payload_file: PayloadFile | None = None
+    payload_file: FileRanges | None = None
     release: Callable[[], object] | None = None
 
     @property
@@ -195,20 +202,26 @@ def _parse_response(meta: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
     return inner, None if error is None else one_line(error) or "error"
 
 
-def _outgoing(payload: Buffer, payload_file: PayloadFile | None) -> tuple[memoryview, int]:
-    """The payload as bytes to send, and the frame's payload length."""
+def _outgoing(
+    payload: Buffer, payload_file: FileRanges | None
+) -> tuple[memoryview, int, list[PayloadFile]]:
+    """The payload as bytes to send, the frame's payload length, and the file
+    ranges to send instead of bytes."""
     view = memoryview(payload).cast("B")
     if payload_file is None:
-        return view, len(view)
+        return view, len(view), []
     if len(view):
         raise ValueError("give payload or payload_file, not both")
-    fd, offset, length = payload_file
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        raise ValueError("payload_file must be a regular file")
-    if offset < 0 or length < 0 or offset + length > st.st_size:
-        raise ValueError(f"payload_file range {offset}+{length} is outside the file")
-    return view, length
+    ranges = [payload_file] if isinstance(payload_file[0], int) else list(payload_file)
+    total = 0
+    for fd, offset, length in ranges:  # type: ignore[misc]
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("payload_file must be a regular file")
+        if offset < 0 or length < 0 or offset + length > st.st_size:
+            raise ValueError(f"payload_file range {offset}+{length} is outside the file")
+        total += length
+    return view, total, ranges  # type: ignore[return-value]
 
 
 def _writable(into: Buffer) -> memoryview:
@@ -373,10 +386,10 @@ class _Channel:
         )
 
     async def send_encoded(
-        self, head: bytes, payload: memoryview = EMPTY, payload_file: PayloadFile | None = None
+        self, head: bytes, payload: memoryview = EMPTY, files: Sequence[PayloadFile] = ()
     ) -> None:
         """Send one frame whole; ConnectionClosed (and the stream is closed) if not."""
-        length = payload_file[2] if payload_file is not None else len(payload)
+        length = sum(r[2] for r in files) if files else len(payload)
         async with self._send_lock:
             if self.broken is not None:
                 raise ConnectionClosed(self.broken)
@@ -385,7 +398,7 @@ class _Channel:
             deadline = trio.current_time() + self.limits.transfer_time(length)
             with trio.CancelScope(shield=True, deadline=deadline):
                 try:
-                    await self._send_parts(head, payload, payload_file)
+                    await self._send_parts(head, payload, files)
                     sent = True
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                     self.broken = self.broken or f"send failed: {_describe(exc)}"
@@ -397,19 +410,27 @@ class _Channel:
                 raise ConnectionClosed(self.broken)
 
     async def _send_parts(
-        self, head: bytes, payload: memoryview, payload_file: PayloadFile | None
+        self, head: bytes, payload: memoryview, files: Sequence[PayloadFile]
     ) -> None:
         if self._sock is not None:
             await self._sendmsg_all([memoryview(head), payload] if len(payload) else [head])
-            if payload_file is not None:
+            if sum(length for _fd, _off, length in files) >= THREAD_SENDFILE:
+                # The copy into socket buffers (and, over loopback, the
+                # receiver's TCP processing) costs about 0.6 s per GiB; in a
+                # worker thread it runs beside the FUSE requests on the loop.
+                time_left = trio.current_effective_deadline() - trio.current_time()
+                out = self._sock.fileno()
+                await trio.to_thread.run_sync(_sendfile_blocking, out, list(files), time_left)
+                return
+            for payload_file in files:
                 await self._sendfile(*payload_file)
-        elif payload_file is None and len(payload) <= SMALL_PAYLOAD:
+        elif not files and len(payload) <= SMALL_PAYLOAD:
             await self.stream.send_all(head + payload)
         else:
             await self.stream.send_all(head)
-            if payload_file is not None:
+            for payload_file in files:
                 await self._pread_send(*payload_file)
-            else:
+            if not files:
                 await self.stream.send_all(payload)
 
     async def _sendmsg_all(self, parts: list[Buffer]) -> None:
@@ -535,20 +556,21 @@ class PeerConnection:
         meta: dict[str, Any] | None = None,
         payload: Buffer = b"",
         *,
-        payload_file: PayloadFile | None = None,
+        payload_file: FileRanges | None = None,
         into: Buffer | None = None,
         timeout: float | None = None,
     ) -> Response:
         """Send a request and wait for its response.
 
         `payload_file` = (fd, offset, length) sends that range of a regular file
-        (sendfile on plain TCP). With `into`, the response payload is received
-        straight into that buffer and Response.payload is the filled slice; a
+        (sendfile on plain TCP), or a list of such ranges one after another.
+        With `into`, the response payload is received straight into that
+        buffer and Response.payload is the filled slice; a
         larger payload fails this request with ProtocolError. `timeout`
         (default Limits.request_timeout) covers the whole request.
         """
         envelope = _request_envelope(type, meta)
-        view, length = _outgoing(payload, payload_file)
+        view, length, files = _outgoing(payload, payload_file)
         request_id = self._next_id
         head = self._channel.encode(FrameType.REQUEST, request_id, envelope, length)
         self._next_id += 1
@@ -561,7 +583,7 @@ class PeerConnection:
                 await self._slots.acquire()
                 pending.has_slot = True
                 self._pending[request_id] = pending
-                await self._channel.send_encoded(head, view, payload_file)
+                await self._channel.send_encoded(head, view, files)
                 sent = True
                 await pending.done.wait()
         except ConnectionClosed as exc:
@@ -1085,19 +1107,40 @@ class _ServerConnection:
 
     async def _send_response(self, request_id: int, response: Response) -> None:
         try:
-            view, length = _outgoing(response.payload, response.payload_file)
+            view, length, files = _outgoing(response.payload, response.payload_file)
             envelope = _response_envelope(response)
             head = self.channel.encode(FrameType.RESPONSE, request_id, envelope, length)
-            payload_file = response.payload_file
         except (ValueError, TypeError, OSError) as exc:
             log.warning("unsendable response to peer %s: %s", self.who, one_line(exc))
             error = _response_envelope(Response.fail(f"unsendable response: {exc}"))
             head = self.channel.encode(FrameType.RESPONSE, request_id, error, 0)
-            view, payload_file = EMPTY, None
+            view, files = EMPTY, []
         try:
-            await self.channel.send_encoded(head, view, payload_file)
+            await self.channel.send_encoded(head, view, files)
         except ConnectionClosed as exc:
             self._fail(str(exc))
+
+
+def _sendfile_blocking(out: int, files: list[PayloadFile], time_left: float) -> None:
+    """sendfile every range to the non-blocking socket ``out``, waiting for
+    room with poll; TimeoutError once ``time_left`` seconds are spent."""
+    deadline = time.monotonic() + time_left
+    poller = select.poll()
+    poller.register(out, select.POLLOUT)
+    for fd, offset, length in files:
+        while length:
+            try:
+                sent = os.sendfile(out, fd, offset, length)
+            except BlockingIOError:
+                wait = deadline - time.monotonic()
+                if wait <= 0:
+                    raise TimeoutError(f"{length} bytes of a payload not sent in time") from None
+                poller.poll(min(wait, 1.0) * 1000)
+                continue
+            if sent == 0:
+                raise OSError(f"payload file ended {length} bytes early")
+            offset += sent
+            length -= sent
 
 
 def _call_release(release: Callable[[], object], who: str) -> None:

@@ -86,12 +86,12 @@ class Link:
         meta: dict[str, Any],
         payload: bytes = b"",
         *,
-        payload_file: tuple[int, int, int] | None = None,
+        payload_file: list[tuple[int, int, int]] | None = None,
         timeout: float | None = None,
     ) -> Response:
         if payload_file is not None:
-            fd, off, n = payload_file
-            payload = os.pread(fd, n, off)  # the slot is pinned: same bytes as a sendfile
+            # The slots are pinned: the same bytes as the sendfiles.
+            payload = b"".join(os.pread(fd, n, off) for fd, off, n in payload_file)
         await self._yield()
         if not self.up:
             raise PeerError("the buddy stopped answering")

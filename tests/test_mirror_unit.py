@@ -204,3 +204,47 @@ def test_a_full_mirror_quota_answers_busy_and_frees_on_drop(tmp_path: Path):
         assert await cache.mirror_page("n1", "m2", "f1", 0, 4, page, timeout=1)
 
     trio.run(main)
+
+
+def test_a_batch_of_pages_is_held_up_to_the_quota_and_malformed_batches_change_nothing(
+    tmp_path: Path,
+):
+    from ckptfs.peer.mirror import PAGE, MirrorServer
+    from ckptfs.peer.transport import Request
+
+    async def no_manifest(path: str) -> Manifest | None:
+        return None
+
+    async def main() -> None:
+        cache = make_cache(tmp_path)
+        cache.mirror_quota = 3
+        server = MirrorServer(
+            cache, mirrored_for=("n1",), timeout=0.2, manifest_at=no_manifest,
+            is_alive=lambda name: True,
+        )  # fmt: skip
+        pages = [os.urandom(MiB), os.urandom(MiB), os.urandom(MiB // 2)]
+
+        def request(batch: list[list[int]], payload: bytes) -> Request:
+            meta = {"mid": "m1", "file_id": "f1", "pages": batch, "wait": False}
+            return Request(PAGE, meta, memoryview(payload))
+
+        for batch, payload in (
+            ([[0, 1, MiB], [0, 2, MiB]], pages[0] + pages[1]),  # a page twice
+            ([[0, 1, MiB], [1, 1, MiB]], pages[0]),  # sizes do not add up
+            ([[0, 1, 2 * MiB]], pages[0] + pages[1]),  # over the page size
+            ([], b""),
+        ):
+            response = await server.handle("n1", request(batch, payload))
+            assert not response.ok
+            assert cache.mirror_slots == 0 and "m1" not in cache.mirrors
+        # Four pages against a quota of three: the first three are held, in order.
+        batch = [[0, 1, MiB], [1, 2, MiB], [2, 3, MiB // 2], [3, 4, MiB]]
+        response = await server.handle("n1", request(batch, b"".join(pages) + pages[0]))
+        assert response.ok and response.meta["held"] == [0, 1, 2] and response.meta["busy"]
+        m = Manifest("f1", "v1", 2 * MiB + MiB // 2, 0o644, 1, "pending", ["n1", "n2"])
+        ram = {0: (1, MiB), 1: (2, MiB), 2: (3, MiB // 2)}
+        assert cache.mirror_commit("n1", "m1", m, "a.pt", 0, 0, ram, {}, ChunkMap()) == []
+        held = cache.mirrors["m1"]
+        assert bytes(await cache.read(held, 0, held.size)) == b"".join(pages)
+
+    trio.run(main)

@@ -307,9 +307,19 @@ def test_payload_from_file_goes_out_by_sendfile(monkeypatch: pytest.MonkeyPatch)
                 with pytest.raises(ValueError, match="outside the file"):
                     await conn.request("echo", {}, payload_file=(fd, 0, 6 * MiB))
                 assert (await conn.request("echo", {}, b"still fine")).payload == b"still fine"
+                # Several ranges, one payload: small ones on the loop, a large
+                # total from a worker thread.
+                for ranges in (
+                    [(fd, 10, 100), (fd, 0, 5)],
+                    [(fd, 3 * MiB, MiB), (fd, 17, 2 * MiB), (fd, 5 * MiB - 9, 9)],
+                ):
+                    response = await conn.request("echo", {}, payload_file=ranges)
+                    assert response.payload == b"".join(data[o : o + n] for _, o, n in ranges)
+                with pytest.raises(ValueError, match="outside the file"):
+                    await conn.request("echo", {}, payload_file=[(fd, 0, 1), (fd, 5 * MiB, 1)])
 
         run(main)
-    assert calls and sum(calls) >= 7 * MiB
+    assert calls and sum(calls) >= 10 * MiB
     assert released == [1, 1]  # also for the response that could not be sent
 
 

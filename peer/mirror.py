@@ -246,7 +246,8 @@ class MirrorClient:
         any). Returns a page that is not at its generation (nothing is sent
         then), else None. A busy buddy is retried until ``deadline`` (a
         commit); streamed pages (no deadline) are left for the commit to send."""
-        acked = self._acked.setdefault(f.mirror_id, {})
+        mid = f.mirror_id  # the pinned bytes belong to this content
+        acked = self._acked.setdefault(mid, {})
         send: list[tuple[int, int, int, int]] = []  # page, generation, fill, slot
         for p, expect in want.items():
             page = f.pages.get(p)
@@ -267,7 +268,7 @@ class MirrorClient:
             while send:
                 # A streamed page is not worth waiting for room: the commit sends it.
                 meta = {
-                    "mid": f.mirror_id,
+                    "mid": mid,
                     "file_id": f.file_id,
                     "pages": [[p, gen, fill] for p, gen, fill, _slot in send],
                     "wait": deadline is not None,
@@ -319,10 +320,15 @@ class MirrorClient:
                     nursery.start_soon(self._send_drops)
                 if not self.is_alive(self.buddy):
                     continue  # the commit falls back; nothing to stream to
-                # A credit first: pages that fill while the link is busy join
-                # the batch taken once it is free.
+                # A credit first: pages that fill while both are in use join
+                # the batch taken when one is given back (it wakes this loop).
+                # Never waited for here: drops must go out meanwhile (they
+                # free the buddy's room that busy commits wait for).
                 while self._has_full_page():
-                    await self._credits.acquire()
+                    try:
+                        self._credits.acquire_nowait()
+                    except trio.WouldBlock:
+                        break
                     taken = self._take_full_batch()
                     if taken is None:
                         self._credits.release()
@@ -366,6 +372,7 @@ class MirrorClient:
             log.debug("streaming pages %s of %s failed: %s", pages, f.path, exc)
         finally:
             self._credits.release()
+            self._wake.set()  # pages that filled meanwhile
 
     async def _send_drops(self) -> None:
         drops, self._drops = self._drops[:MAX_DROPS], self._drops[MAX_DROPS:]
@@ -550,12 +557,14 @@ class MirrorServer:
                 return Response.fail(f"page of {fill} bytes is not within the page size")
         if sum(fill for *_, fill in pages) != len(request.payload):
             return Response.fail("the pages' sizes do not add up to the payload")
-        wait = self.timeout / 2 if meta.get("wait", True) else 0.0
+        # One wait for the whole batch, well inside the writer's request timeout.
+        until = trio.current_time() + (self.timeout / 2 if meta.get("wait", True) else 0.0)
         held: list[int] = []
         off = 0
         for p, gen, fill in pages:
             data = request.payload[off : off + fill]
             off += fill
+            wait = max(0.0, until - trio.current_time())
             if not await self.cache.mirror_page(peer, mid, file_id, p, gen, data, timeout=wait):
                 break
             held.append(p)

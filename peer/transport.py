@@ -59,6 +59,7 @@ from __future__ import annotations
 import logging
 import os
 import select
+import socket
 import ssl
 import stat
 import time
@@ -419,8 +420,14 @@ class _Channel:
                 # receiver's TCP processing) costs about 0.6 s per GiB; in a
                 # worker thread it runs beside the FUSE requests on the loop.
                 time_left = trio.current_effective_deadline() - trio.current_time()
-                out = self._sock.fileno()
-                await trio.to_thread.run_sync(_sendfile_blocking, out, list(files), time_left)
+                # Its own fd: the socket may be closed meanwhile (the fd number
+                # then reused elsewhere); closing also shuts it down, which
+                # stops the thread (_stop_sender).
+                out = os.dup(self._sock.fileno())
+                try:
+                    await trio.to_thread.run_sync(_sendfile_blocking, out, list(files), time_left)
+                finally:
+                    os.close(out)
                 return
             for payload_file in files:
                 await self._sendfile(*payload_file)
@@ -487,8 +494,18 @@ class _Channel:
 
     # -- closing
 
+    def _stop_sender(self) -> None:
+        """Shut the socket down, so that a sendfile in a worker thread (on its
+        own duplicate of the fd) stops at once instead of at its deadline."""
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # not connected any more
+
     def _hard_close(self) -> None:
         """Close the socket now (no await), waking any task blocked on it."""
+        self._stop_sender()
         stream = self.stream
         while isinstance(stream, trio.SSLStream):
             stream = stream.transport_stream
@@ -497,6 +514,7 @@ class _Channel:
 
     async def aclose(self, reason: str = "closed") -> None:
         self.broken = self.broken or reason
+        self._stop_sender()
         await trio.aclose_forcefully(self.stream)
 
 

@@ -246,5 +246,13 @@ def test_a_batch_of_pages_is_held_up_to_the_quota_and_malformed_batches_change_n
         assert cache.mirror_commit("n1", "m1", m, "a.pt", 0, 0, ram, {}, ChunkMap()) == []
         held = cache.mirrors["m1"]
         assert bytes(await cache.read(held, 0, held.size)) == b"".join(pages)
+        # A batch that may wait for room waits once, not once per page: well
+        # inside the writer's request timeout (0.2 s here).
+        meta = {"mid": "m2", "file_id": "f2", "wait": True}
+        meta["pages"] = [[p, 1, MiB] for p in range(4)]
+        start = trio.current_time()
+        response = await server.handle("n1", Request(PAGE, meta, memoryview(pages[0] * 4)))
+        assert response.ok and response.meta["held"] == [] and response.meta["busy"]
+        assert trio.current_time() - start < 0.15
 
     trio.run(main)

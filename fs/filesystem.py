@@ -75,7 +75,7 @@ class Attr:
     atime_ns: int
     mtime_ns: int
     ctime_ns: int
-    blksize: int = READ_BLKSIZE
+    blksize: int
 
 
 @dataclass

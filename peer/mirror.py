@@ -4,8 +4,8 @@ The writer's side (:class:`MirrorClient`) streams every full page of a file
 to its buddy while the file is written, in batches of pages, straight from
 the arena with sendfile; a page's slot is pinned while it is sent, so a
 write meanwhile copies the page first and the bytes sent always match the
-generation sent with them. At close (``commit``) it sends what is left (the last, partial
-page), then the page table of the snapshot being published: the buddy checks
+generation sent with them. At close (``commit``) it sends what is left (the
+last, partial page), then the page table of the snapshot being published: the buddy checks
 that it holds every page at exactly that generation, answers with the pages
 it lacks (sent again), and otherwise takes the content as that version. Only
 then does the pending manifest name both nodes as holders, so a holder named
@@ -324,7 +324,7 @@ class MirrorClient:
                 # the batch taken when one is given back (it wakes this loop).
                 # Never waited for here: drops must go out meanwhile (they
                 # free the buddy's room that busy commits wait for).
-                while self._has_full_page():
+                while True:
                     try:
                         self._credits.acquire_nowait()
                     except trio.WouldBlock:
@@ -334,13 +334,6 @@ class MirrorClient:
                         self._credits.release()
                         break
                     nursery.start_soon(self._stream, *taken)
-
-    def _has_full_page(self) -> bool:
-        return any(
-            (pg := f.pages.get(p)) is not None and pg.fill == self.cache.page_size
-            for f, pages in self._changed.items()
-            for p in pages
-        )
 
     def _take_full_batch(self) -> tuple[CachedFile, list[int]] | None:
         """Up to BATCH_PAGES full pages of one file, taken off the changed set."""

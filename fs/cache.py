@@ -115,6 +115,9 @@ class Cache:
         self.mirrors: dict[str, CachedFile] = {}
         self.mirror_quota = arena.nslots // 2
         self.mirror_slots = 0
+        # Slots handed out for mirrored pages being received straight into
+        # them (reserve_mirror_slots); they count against the quota.
+        self.mirror_reserved = 0
         # Mirror ids whose content the writer abandoned for good: a page of
         # one still in flight must not bring it back (bounded, oldest out).
         self._gone_mirrors: dict[str, None] = {}
@@ -145,7 +148,6 @@ class Cache:
         now = time.time_ns()
         f = CachedFile(file_id, version, path, 0, mode, uid, gid, now, now, self.page_size)
         f.content_gen = next(self._gen)
-        f.mirror_id = new_id()
         self._register(f)
         return f
 
@@ -529,6 +531,8 @@ class Cache:
         """
         f = self._mirror_for(origin, mid, file_id, file_id)
         page = f.pages.get(p)
+        if page is not None and page.gen > gen:
+            return True  # a late copy of an older generation: the newer one stays
         if page is None or not page.in_ram or self.arena.pinned(page.slot):
             slot = await self._alloc_mirror(timeout)
             if slot is None:
@@ -536,20 +540,64 @@ class Cache:
             if self.mirrors.get(mid) is not f or f.role is not FileRole.MIRROR:
                 self.arena.release(slot)  # dropped or taken over meanwhile
                 return True
-            page = f.pages.get(p)
-            if page is not None:
-                self._drop_mirror_page(f, p)
-            page = f.pages[p] = Page(PageState.DIRTY, slot, 0, gen)
-            f.ram_count += 1
-            f.dirty_count += 1
-            self.dirty_pages += 1
-            self.mirror_slots += 1
+            self.mirror_reserved += 1
+            self.arena.write(slot, 0, data)
+            self.mirror_page_into(origin, mid, file_id, p, gen, slot, len(data))
+            return True
         self.arena.write(page.slot, 0, data)
         page.fill, page.gen = len(data), gen
+        self._mirror_changed(f)
+        return True
+
+    def reserve_mirror_slots(self, n: int) -> list[int] | None:
+        """``n`` slots for mirrored pages to be received straight into, if the
+        quota and the arena have room now (None: receive them elsewhere).
+        Each is given back with ``mirror_page_into`` or ``unreserve_mirror_slot``."""
+        if self.mirror_slots + self.mirror_reserved + n > self.mirror_quota:
+            return None
+        slots: list[int] = []
+        while len(slots) < n:
+            slot = self.try_alloc()
+            if slot is None:
+                for slot in slots:
+                    self.arena.release(slot)
+                return None
+            slots.append(slot)
+        self.mirror_reserved += n
+        return slots
+
+    def unreserve_mirror_slot(self, slot: int) -> None:
+        self.mirror_reserved -= 1
+        self.arena.release(slot)
+        self._signal_space()
+
+    def mirror_page_into(
+        self, origin: str, mid: str, file_id: str, p: int, gen: int, slot: int, fill: int
+    ) -> None:
+        """Hold page ``p`` (writer's generation ``gen``) of a buddy's content,
+        whose ``fill`` bytes are in ``slot``, a reserved slot this takes (it
+        keeps it as the page, or frees it). Raises OSError, before taking the
+        slot, if the mirror is not the origin's to change."""
+        f = self._mirror_for(origin, mid, file_id, file_id)
+        self.mirror_reserved -= 1
+        page = f.pages.get(p)
+        if page is not None and page.gen > gen:
+            self.arena.release(slot)  # a late copy of an older generation
+            self._signal_space()
+            return
+        if page is not None:
+            self._drop_mirror_page(f, p)
+        f.pages[p] = Page(PageState.DIRTY, slot, fill, gen)
+        f.ram_count += 1
+        f.dirty_count += 1
+        self.dirty_pages += 1
+        self.mirror_slots += 1
+        self._mirror_changed(f)
+
+    def _mirror_changed(self, f: CachedFile) -> None:
         # The content differs from any version committed before.
         f.state = FileState.MODIFIED
         f.content_gen = next(self._gen)
-        return True
 
     def _mirror_for(self, origin: str, mid: str, file_id: str, what: str) -> CachedFile:
         """The mirror ``mid`` of ``origin``'s content, made on its first page or
@@ -567,7 +615,7 @@ class Cache:
 
     async def _alloc_mirror(self, timeout: float) -> int | None:
         with trio.move_on_after(timeout):
-            while self.mirror_slots >= self.mirror_quota:
+            while self.mirror_slots + self.mirror_reserved >= self.mirror_quota:
                 await self._space_event.wait()
             return await self.alloc_for_write_quietly()
         return None

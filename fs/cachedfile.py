@@ -20,7 +20,7 @@ from typing import Any
 
 import trio
 
-from .manifest import Chunk
+from .manifest import Chunk, new_id
 from .readahead import ReadPattern
 from .state import FileRole, FileState, MirrorState, PageState, stat_state
 
@@ -146,9 +146,10 @@ class CachedFile:
     role: FileRole = FileRole.LOCAL
     mirror: MirrorState = MirrorState.NONE
     holders: list[str] = field(default_factory=list)
-    # Names this content on the buddy (a new one per content incarnation:
-    # a new file, a fork); for a MIRROR, the writer node it came from.
-    mirror_id: str = ""
+    # Names this content on the buddy (a new one per content incarnation: a
+    # new file, a fork, a file adopted after a restart, whose page
+    # generations start again); for a MIRROR, the writer node it came from.
+    mirror_id: str = field(default_factory=new_id)
     origin: str = ""
     prior_paths: list[str] = field(default_factory=list)  # a mirror's paths before renames
     pages: dict[int, Page] = field(default_factory=dict)

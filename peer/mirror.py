@@ -41,7 +41,7 @@ from ckptfs.fs.manifest import Chunk, Manifest, ManifestError
 from ckptfs.fs.state import FileRole, FileState, MirrorState, PageState
 
 from .dialer import Dialer
-from .transport import PeerClient, RemoteError, Request, Response
+from .transport import PeerClient, Placement, RemoteError, Request, Response
 from .wire import PeerError
 
 log = logging.getLogger("ckptfs.peer.mirror")
@@ -478,6 +478,21 @@ class MirrorClient:
         }
 
 
+class _ReceivedPages:
+    """Arena slots reserved for one batch, received into in order; the
+    handler takes them front to back, and the rest go back at release."""
+
+    def __init__(self, cache: Cache, slots: list[int]) -> None:
+        self.cache = cache
+        self.slots = slots
+        self.taken = 0
+
+    def release(self) -> None:
+        for slot in self.slots[self.taken :]:
+            self.cache.unreserve_mirror_slot(slot)
+        self.taken = len(self.slots)
+
+
 class MirrorServer:
     """The buddy's side: holds the mirrors of the nodes whose buddy it is."""
 
@@ -532,35 +547,71 @@ class MirrorServer:
             return Response.fail(str(exc))
         return Response.fail(f"unknown mirror request {request.type!r}")
 
+    def place(self, peer: str, rtype: str, meta: dict[str, Any], size: int) -> Placement | None:
+        """Where a batch of pages is received: straight into arena slots
+        reserved for it when the quota has room now; else (None) into a
+        buffer, and ``_page`` copies what fits once room frees up."""
+        if rtype != PAGE or self._refuse(peer) is not None or not self.is_alive(peer):
+            return None
+        try:
+            pages = self._batch(meta, size)
+        except (KeyError, TypeError, ValueError):
+            return None  # the handler answers why
+        slots = self.cache.reserve_mirror_slots(len(pages))
+        if slots is None:
+            return None
+        received = _ReceivedPages(self.cache, slots)
+        views = [
+            self.cache.arena.slot_view(slot, 0, fill)
+            for slot, (_p, _gen, fill) in zip(slots, pages, strict=True)
+        ]
+        return Placement(views, received.release, received)
+
+    def _batch(self, meta: dict[str, Any], size: int) -> list[tuple[int, int, int]]:
+        """The (page, generation, fill) of a batch; ValueError if malformed."""
+        pages = [(int(p), int(gen), int(fill)) for p, gen, fill in meta["pages"]]
+        if not 0 < len(pages) <= MAX_BATCH_PAGES:
+            raise ValueError(f"a batch of {len(pages)} pages (at most {MAX_BATCH_PAGES})")
+        if len({p for p, _gen, _fill in pages}) != len(pages):
+            raise ValueError("a page is twice in one batch")
+        for p, _gen, fill in pages:
+            if not 0 <= p < MAX_FILE_SIZE // self.cache.page_size:
+                raise ValueError(f"page {p} is out of bounds")
+            if not 0 <= fill <= self.cache.page_size:
+                raise ValueError(f"page of {fill} bytes is not within the page size")
+        if sum(fill for *_, fill in pages) != size:
+            raise ValueError("the pages' sizes do not add up to the payload")
+        return pages
+
     async def _page(self, peer: str, request: Request) -> Response:
         """Hold a batch of pages (payload: their bytes one after another);
         answers which were held. The first page without room ends the batch:
         the writer sends the rest again later."""
         meta = request.meta
         mid, file_id = str(meta["mid"]), str(meta["file_id"])
-        pages = [(int(p), int(gen), int(fill)) for p, gen, fill in meta["pages"]]
-        if not 0 < len(pages) <= MAX_BATCH_PAGES:
-            return Response.fail(f"a batch of {len(pages)} pages (at most {MAX_BATCH_PAGES})")
-        if len({p for p, _gen, _fill in pages}) != len(pages):
-            return Response.fail("a page is twice in one batch")
-        for p, _gen, fill in pages:
-            if not 0 <= p < MAX_FILE_SIZE // self.cache.page_size:
-                return Response.fail(f"page {p} is out of bounds")
-            if not 0 <= fill <= self.cache.page_size:
-                return Response.fail(f"page of {fill} bytes is not within the page size")
-        if sum(fill for *_, fill in pages) != len(request.payload):
-            return Response.fail("the pages' sizes do not add up to the payload")
-        # One wait for the whole batch, well inside the writer's request timeout.
-        until = trio.current_time() + (self.timeout / 2 if meta.get("wait", True) else 0.0)
+        placement = request.placement
+        size = len(request.payload) if placement is None else sum(map(len, placement.views))
+        try:
+            pages = self._batch(meta, size)
+        except ValueError as exc:
+            return Response.fail(str(exc))
         held: list[int] = []
-        off = 0
-        for p, gen, fill in pages:
-            data = request.payload[off : off + fill]
-            off += fill
-            wait = max(0.0, until - trio.current_time())
-            if not await self.cache.mirror_page(peer, mid, file_id, p, gen, data, timeout=wait):
-                break
-            held.append(p)
+        if placement is not None and isinstance(placement.owner, _ReceivedPages):
+            for (p, gen, fill), slot in zip(pages, placement.owner.slots, strict=True):
+                self.cache.mirror_page_into(peer, mid, file_id, p, gen, slot, fill)
+                placement.owner.taken += 1
+                held.append(p)
+        else:
+            # One wait for the whole batch, well inside the writer's request timeout.
+            until = trio.current_time() + (self.timeout / 2 if meta.get("wait", True) else 0.0)
+            off = 0
+            for p, gen, fill in pages:
+                data = request.payload[off : off + fill]
+                off += fill
+                wait = max(0.0, until - trio.current_time())
+                if not await self.cache.mirror_page(peer, mid, file_id, p, gen, data, timeout=wait):
+                    break
+                held.append(p)
         quota = self.cache.mirror_quota * self.cache.page_size
         return Response(meta={"held": held, "busy": len(held) < len(pages), "quota": quota})
 

@@ -102,6 +102,7 @@ class PeerNode:
                         cluster_hash=self.config.cluster_hash,
                         handler=self.handle,
                         ssl_context=self._server_tls,
+                        placer=self.mirror_server.place,
                     )
                 )
             except OSError as exc:

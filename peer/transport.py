@@ -38,9 +38,10 @@ loses the connection; every request still pending on it fails with
 ConnectionClosed, which names the reason.
 
 Copies: on a plain TCP socket a received payload is read by ``recv_into``
-straight into its final buffer (a fresh bytearray, or the caller's ``into``
-buffer); only the first bytes of a payload that arrived with its header pass
-through the 256 KiB read-ahead buffer. Headers and payloads go out together
+straight into its final buffer (the caller's ``into`` buffer, the views a
+server's ``placer`` gives for a request, or else a pooled bytearray); only
+the first bytes of a payload that arrived with its header pass through the
+256 KiB read-ahead buffer. Headers and payloads go out together
 with ``sendmsg``, and a ``payload_file=(fd, offset, length)`` (or a list of
 such ranges) goes out with ``os.sendfile``, from a worker thread once the
 ranges add up to THREAD_SENDFILE, so that the copy does not hold up the
@@ -127,11 +128,27 @@ DEFAULT_LIMITS = Limits()
 
 
 @dataclass(slots=True)
+class Placement:
+    """Where a request's payload is received instead of a pooled buffer (a
+    server's ``placer`` decides, from the request's type and meta, before the
+    payload is read): ``views`` are filled in order, and their lengths add up
+    to the payload's. The handler finds it as ``Request.placement`` and may
+    take what was received; ``release`` is called once the request is done
+    (or its payload never arrived) and frees whatever was not taken.
+    ``owner`` is the placer's own record of it, for the handler."""
+
+    views: list[memoryview]
+    release: Callable[[], object]
+    owner: object = None
+
+
+@dataclass(slots=True)
 class Request:
     type: str
     meta: dict[str, Any]
     payload: memoryview
     id: int = 0
+    placement: Placement | None = None  # then the payload is in its views, not `payload`
 
 
 @dataclass(slots=True)
@@ -167,6 +184,8 @@ class Response:
 
 
 Handler = Callable[[str, Request], Awaitable[Response]]
+# (peer node, request type, request meta, payload size) -> where to receive it, or None.
+Placer = Callable[[str, str, dict[str, Any], int], Placement | None]
 
 
 # ---------------------------------------------------------------- envelopes
@@ -341,15 +360,22 @@ class _Channel:
 
     async def read_payload_into(self, dest: memoryview) -> None:
         """Receive the current frame's payload, exactly len(dest) bytes, into dest."""
-        if len(dest) != self._payload_left:
-            raise RuntimeError(f"payload is {self._payload_left} bytes, not {len(dest)}")
-        with self._deadline(self.limits.transfer_time(len(dest)), "payload"):
-            pos = self._take_buffered(dest)
-            while pos < len(dest):
-                got = await self._recv_into(dest[pos:])
-                if got == 0:
-                    raise ProtocolError("truncated frame: the stream ended inside a payload")
-                pos += got
+        await self.read_payload_into_views([dest])
+
+    async def read_payload_into_views(self, dests: Sequence[memoryview]) -> None:
+        """Receive the current frame's payload into ``dests``, one after
+        another; their lengths must add up to the payload's."""
+        total = sum(len(dest) for dest in dests)
+        if total != self._payload_left:
+            raise RuntimeError(f"payload is {self._payload_left} bytes, not {total}")
+        with self._deadline(self.limits.transfer_time(total), "payload"):
+            for dest in dests:
+                pos = self._take_buffered(dest)
+                while pos < len(dest):
+                    got = await self._recv_into(dest[pos:])
+                    if got == 0:
+                        raise ProtocolError("truncated frame: the stream ended inside a payload")
+                    pos += got
         self._payload_left = 0
 
     @property
@@ -928,11 +954,13 @@ class _Server:
         handler: Handler,
         ssl_context: ssl.SSLContext | None,
         limits: Limits,
+        placer: Placer | None = None,
     ) -> None:
         self.node = auth.check_node_name(node)
         self.secret = auth.check_secret(secret)
         self.cluster_hash = auth.check_cluster_hash(cluster_hash)
         self.handler = handler
+        self.placer = placer
         self.ssl_context = ssl_context
         self.limits = limits
         self.unauthenticated = trio.Semaphore(limits.max_unauthenticated)
@@ -945,7 +973,7 @@ class _Server:
             admitted = await self._admit(stream, address)
             if admitted is not None:
                 channel, peer = admitted
-                await _ServerConnection(channel, peer, self.handler, self.limits).run()
+                await _ServerConnection(channel, peer, self.handler, self.limits, self.placer).run()
         except Exception as exc:  # a bug in one connection must not stop the server
             log.error("peer connection from %s failed: %s", address, one_line(repr(exc)))
             log.debug("traceback", exc_info=True)
@@ -990,10 +1018,18 @@ class _Server:
 class _ServerConnection:
     """The requests of one authenticated peer, each handled in its own task."""
 
-    def __init__(self, channel: _Channel, peer_node: str, handler: Handler, limits: Limits):
+    def __init__(
+        self,
+        channel: _Channel,
+        peer_node: str,
+        handler: Handler,
+        limits: Limits,
+        placer: Placer | None = None,
+    ) -> None:
         self.channel = channel
         self.peer_node = peer_node
         self.handler = handler
+        self.placer = placer
         self.who = f"{peer_node!r} ({channel.peer})"
         self._slots = trio.Semaphore(limits.max_concurrent_requests)
         self._active: dict[int, trio.CancelScope] = {}
@@ -1058,21 +1094,43 @@ class _ServerConnection:
             rtype, rmeta = _parse_request(meta)
             # At the limit, stop reading (TCP backpressure) until a handler ends.
             await self._slots.acquire()
-            buffer = self._take(self.channel.payload_left)
+            size = self.channel.payload_left
+            placement = self._place(rtype, rmeta, size)
+            buffer = None if placement is not None else self._take(size)
+            payload = EMPTY
             try:
-                if buffer is not None:
+                if placement is not None:
+                    await self.channel.read_payload_into_views(placement.views)
+                elif buffer is not None:
                     await self.channel.read_payload_into(memoryview(buffer))
                     payload = memoryview(buffer)
                 else:
                     payload = await self.channel.read_payload()
             except BaseException:
                 self._slots.release()
+                if placement is not None:
+                    _call_release(placement.release, self.who)
                 raise
             scope = trio.CancelScope()
             self._active[request_id] = scope
-            nursery.start_soon(
-                self._serve, Request(rtype, rmeta, payload, request_id), scope, buffer
-            )
+            request = Request(rtype, rmeta, payload, request_id, placement)
+            nursery.start_soon(self._serve, request, scope, buffer)
+
+    def _place(self, rtype: str, meta: dict[str, Any], size: int) -> Placement | None:
+        """Where the placer wants this payload; None (a pooled buffer) if it
+        has no say, or fails."""
+        if self.placer is None or not size:
+            return None
+        try:
+            placement = self.placer(self.peer_node, rtype, meta, size)
+        except Exception as exc:
+            log.error("payload placer failed for peer %s: %s", self.who, one_line(repr(exc)))
+            return None
+        if placement is not None and sum(len(v) for v in placement.views) != size:
+            log.error("payload placer for %r gave room for the wrong size", rtype)
+            _call_release(placement.release, self.who)
+            return None
+        return placement
 
     def _take(self, size: int) -> bytearray | None:
         if not size:
@@ -1110,6 +1168,9 @@ class _ServerConnection:
                 _call_release(response.release, self.who)
             request.payload = EMPTY  # whoever still holds the request must not see reuse
             self._give_back(buffer)
+            if request.placement is not None:
+                _call_release(request.placement.release, self.who)
+                request.placement = None
 
     async def _call_handler(self, request: Request) -> Response:
         try:
@@ -1178,13 +1239,16 @@ async def serve(
     handler: Handler,
     ssl_context: ssl.SSLContext | None = None,
     limits: Limits = DEFAULT_LIMITS,
+    placer: Placer | None = None,
     task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Accept peers on (listen_host, port) until cancelled; `handler` answers requests.
+    """Accept peers on (listen_host, port) until cancelled; `handler` answers
+    requests, and `placer` (if given) may say where a request's payload is
+    received (see Placement).
 
     Use ``listeners = await nursery.start(partial(serve, ...))``: the started
     value is the list of trio.SocketListener (port 0 picks a free port).
     """
-    server = _Server(node, secret, cluster_hash, handler, ssl_context, limits)
+    server = _Server(node, secret, cluster_hash, handler, ssl_context, limits, placer)
     listeners = await trio.open_tcp_listeners(port, host=listen_host)
     await trio.serve_listeners(server.handle, listeners, task_status=task_status)

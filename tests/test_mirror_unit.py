@@ -256,3 +256,94 @@ def test_a_batch_of_pages_is_held_up_to_the_quota_and_malformed_batches_change_n
         assert trio.current_time() - start < 0.15
 
     trio.run(main)
+
+
+def test_a_batch_is_received_straight_into_reserved_slots_and_older_generations_never_win(
+    tmp_path: Path,
+):
+    from ckptfs.peer.mirror import PAGE, MirrorServer
+    from ckptfs.peer.transport import Request
+
+    async def no_manifest(path: str) -> Manifest | None:
+        return None
+
+    async def main() -> None:
+        cache = make_cache(tmp_path)
+        cache.mirror_quota = 4
+        server = MirrorServer(
+            cache, mirrored_for=("n1",), timeout=0.2, manifest_at=no_manifest,
+            is_alive=lambda name: True,
+        )  # fmt: skip
+        new0, new1, old0 = os.urandom(MiB), os.urandom(MiB // 3), os.urandom(MiB)
+
+        def meta(mid: str, batch: list[list[int]]) -> dict[str, object]:
+            return {"mid": mid, "file_id": "f1", "pages": batch, "wait": False}
+
+        async def receive(mid: str, batch: list[list[int]], payload: bytes):
+            """What the transport does: place, receive into the views, handle, release."""
+            placement = server.place("n1", PAGE, meta(mid, batch), len(payload))
+            assert placement is not None
+            pos = 0
+            for view in placement.views:  # the arena itself: no copy on the buddy
+                view[:] = payload[pos : pos + len(view)]
+                pos += len(view)
+            try:
+                request = Request(PAGE, meta(mid, batch), memoryview(b""), 1, placement)
+                return await server.handle("n1", request)
+            finally:
+                placement.release()
+
+        used = cache.arena.used_slots
+        response = await receive("m1", [[0, 10, MiB], [1, 11, MiB // 3]], new0 + new1)
+        assert response.ok and response.meta["held"] == [0, 1]
+        assert cache.mirror_slots == 2 and cache.mirror_reserved == 0
+        assert cache.arena.used_slots == used + 2
+        # A late batch of an older generation changes nothing, whichever way it came.
+        response = await receive("m1", [[0, 9, MiB]], old0)
+        assert response.ok and response.meta["held"] == [0]
+        assert await cache.mirror_page("n1", "m1", "f1", 0, 8, memoryview(old0), timeout=1)
+        assert cache.mirror_slots == 2 and cache.arena.used_slots == used + 2
+        m = Manifest("f1", "v1", MiB + MiB // 3, 0o644, 1, "pending", ["n1", "n2"])
+        ram = {0: (10, MiB), 1: (11, MiB // 3)}
+        assert cache.mirror_commit("n1", "m1", m, "a.pt", 0, 0, ram, {}, ChunkMap()) == []
+        held = cache.mirrors["m1"]
+        assert bytes(await cache.read(held, 0, held.size)) == new0 + new1
+        # No room for the whole batch now, not the writer's buddy, or malformed:
+        # nothing is reserved, and the handler answers as before.
+        assert (
+            server.place("n1", PAGE, meta("m2", [[p, 1, MiB] for p in range(3)]), 3 * MiB) is None
+        )
+        assert server.place("n3", PAGE, meta("m2", [[0, 1, MiB]]), MiB) is None
+        assert server.place("n1", PAGE, meta("m2", [[0, 1, MiB]]), MiB - 1) is None
+        assert cache.mirror_reserved == 0
+        # A payload that never arrived, or a mirror that is not the sender's to
+        # change: the reserved slots go back.
+        placement = server.place("n1", PAGE, meta("m2", [[0, 1, MiB], [1, 2, 5]]), MiB + 5)
+        assert placement is not None and cache.mirror_reserved == 2
+        placement.release()
+        assert cache.mirror_reserved == 0 and cache.arena.used_slots == used + 2
+        held.origin = "n9"
+        response = await receive("m1", [[0, 12, MiB]], new0)
+        assert not response.ok and "not n1's to change" in str(response.error)
+        assert cache.mirror_reserved == 0 and cache.arena.used_slots == used + 2
+
+    trio.run(main)
+
+
+def test_every_file_content_has_its_own_mirror_id_even_after_a_restart(tmp_path: Path):
+    async def main() -> None:
+        cache = make_cache(tmp_path)
+        record = {
+            "file_id": "f1", "version": "v1", "path": "a.pt", "size": 0, "mode": 0o644,
+            "mtime_ns": 1, "dirty": {}, "spilled": {}, "base": [], "base_end": 0,
+        }  # fmt: skip
+        a = cache.adopt(record)
+        b = cache.adopt({**record, "file_id": "f2", "path": "b.pt"})
+        c = cache.new_file("f3", "v1", "c.pt", 0o644, 0, 0)
+        # Generations start again after a restart: a reused id would let the
+        # buddy mix two contents' pages.
+        assert len({a.mirror_id, b.mirror_id, c.mirror_id}) == 3 and all(
+            f.mirror_id for f in (a, b, c)
+        )
+
+    trio.run(main)

@@ -29,6 +29,8 @@ from ckptfs.peer.transport import (
     PeerConnection,
     PeerTimeout,
     PeerUnreachable,
+    Placement,
+    Placer,
     RemoteError,
     Request,
     Response,
@@ -70,6 +72,7 @@ async def running_server(
     limits: Limits = DEFAULT_LIMITS,
     ssl_context: ssl.SSLContext | None = None,
     cluster_hash: str = CLUSTER,
+    placer: Placer | None = None,
 ) -> AsyncIterator[int]:
     async with trio.open_nursery() as nursery:
         listeners = await nursery.start(
@@ -83,6 +86,7 @@ async def running_server(
                 handler=handler,
                 ssl_context=ssl_context,
                 limits=limits,
+                placer=placer,
             )
         )
         yield listeners[0].socket.getsockname()[1]
@@ -468,6 +472,84 @@ def test_a_timeout_while_receiving_into_the_buffer_waits_for_the_buffer() -> Non
                 # The payload had begun to arrive: it was waited for, and it is whole.
                 assert trio.current_time() - start >= 0.45
                 assert response.payload == payload and buffer[MiB:] == bytes(MiB)
+
+    run(main)
+
+
+class Places:
+    """A placer that receives "place" payloads into three buffers of its own."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.buffers: list[bytearray] = []
+        self.released = 0
+
+    def __call__(self, peer: str, rtype: str, meta: dict[str, Any], size: int) -> Placement | None:
+        if rtype != "place":
+            return None
+        if self.fail:
+            raise RuntimeError("placer bug")
+        cuts = [0, size // 3, size // 2, size]
+        self.buffers = [bytearray(b - a) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+        return Placement([memoryview(b) for b in self.buffers], self.release, self.buffers)
+
+    def release(self) -> None:
+        self.released += 1
+
+
+async def placed(peer: str, request: Request) -> Response:
+    if request.placement is None:
+        return Response(meta={"placed": False}, payload=bytes(request.payload))
+    assert not request.payload
+    buffers: Any = request.placement.owner
+    return Response(meta={"placed": True}, payload=b"".join(buffers))
+
+
+def test_a_placer_receives_payloads_where_it_says_and_releases_them_once() -> None:
+    payload = os.urandom(3 * MiB + 7)
+
+    async def main() -> None:
+        places = Places()
+        async with running_server(placed, placer=places) as port, client(port) as conn:
+            response = await conn.request("place", {}, payload)
+            assert response.meta["placed"] and response.payload == payload
+            assert b"".join(places.buffers) == payload and places.released == 1
+            # Not its type, or no payload: the usual buffer.
+            response = await conn.request("other", {}, payload)
+            assert not response.meta["placed"] and response.payload == payload
+            response = await conn.request("place", {})
+            assert not response.meta["placed"] and places.released == 1
+
+    run(main)
+
+
+def test_a_payload_cut_short_releases_its_placement(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        places = Places()
+        async with running_server(placed, limits=FAST, placer=places) as port:
+            raw = await authenticated_raw(port)
+            frame = wire.encode_frame(
+                FrameType.REQUEST, 1, {"type": "place", "meta": {}}, os.urandom(MiB)
+            )
+            await raw.send(frame[: len(frame) // 2])
+            await raw.frames_until_closed()  # dropped once the payload stalls
+            with trio.fail_after(5):
+                while not places.released:
+                    await trio.sleep(0.01)
+            assert places.released == 1
+
+    run(main)
+
+
+def test_a_failing_placer_leaves_the_payload_in_a_buffer(caplog: pytest.LogCaptureFixture) -> None:
+    payload = os.urandom(MiB)
+
+    async def main() -> None:
+        places = Places(fail=True)
+        async with running_server(placed, placer=places) as port, client(port) as conn:
+            response = await conn.request("place", {}, payload)
+            assert not response.meta["placed"] and response.payload == payload
+        assert "payload placer failed" in caplog.text and "placer bug" in caplog.text
 
     run(main)
 

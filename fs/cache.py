@@ -68,6 +68,15 @@ class FileLost(OSError):
         super().__init__(errno.EIO, message)
 
 
+def _adds_nothing(page: Page, gen: int, fill: int) -> bool:
+    """Whether a mirrored page arriving at (``gen``, ``fill``) adds nothing to
+    ``page``: a late copy of an older generation (the writer's generations
+    only grow within a mirror id), or the same bytes again (a generation is
+    one content of the page; a resync to a buddy that kept its mirrors sends
+    them again, and must not turn a committed mirror back into MODIFIED)."""
+    return page.gen > gen or (page.gen == gen and page.in_ram and page.fill >= fill)
+
+
 class Cache:
     def __init__(
         self,
@@ -531,18 +540,23 @@ class Cache:
         """
         f = self._mirror_for(origin, mid, file_id, file_id)
         page = f.pages.get(p)
-        if page is not None and page.gen > gen:
-            return True  # a late copy of an older generation: the newer one stays
+        if page is not None and _adds_nothing(page, gen, len(data)):
+            return True
         if page is None or not page.in_ram or self.arena.pinned(page.slot):
             slot = await self._alloc_mirror(timeout)
             if slot is None:
                 return False
             if self.mirrors.get(mid) is not f or f.role is not FileRole.MIRROR:
                 self.arena.release(slot)  # dropped or taken over meanwhile
+                self._signal_space()
                 return True
-            self.mirror_reserved += 1
-            self.arena.write(slot, 0, data)
-            self.mirror_page_into(origin, mid, file_id, p, gen, slot, len(data))
+            try:
+                self.arena.write(slot, 0, data)
+            except BaseException:
+                self.arena.release(slot)
+                self._signal_space()
+                raise
+            self._hold_page(f, p, gen, slot, len(data))
             return True
         self.arena.write(page.slot, 0, data)
         page.fill, page.gen = len(data), gen
@@ -561,6 +575,7 @@ class Cache:
             if slot is None:
                 for slot in slots:
                     self.arena.release(slot)
+                self._signal_space()
                 return None
             slots.append(slot)
         self.mirror_reserved += n
@@ -580,9 +595,14 @@ class Cache:
         slot, if the mirror is not the origin's to change."""
         f = self._mirror_for(origin, mid, file_id, file_id)
         self.mirror_reserved -= 1
+        self._hold_page(f, p, gen, slot, fill)
+
+    def _hold_page(self, f: CachedFile, p: int, gen: int, slot: int, fill: int) -> None:
+        """Make ``slot`` page ``p`` of mirror ``f``, or free it if the page
+        held already has these bytes or newer ones."""
         page = f.pages.get(p)
-        if page is not None and page.gen > gen:
-            self.arena.release(slot)  # a late copy of an older generation
+        if page is not None and _adds_nothing(page, gen, fill):
+            self.arena.release(slot)
             self._signal_space()
             return
         if page is not None:

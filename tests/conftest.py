@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -184,6 +186,19 @@ def mounts(tmp_path: Path) -> Iterator[Any]:
     """Factory: ``mounts("n1")`` returns a Mount (not yet mounted)."""
     with mount_factory(tmp_path) as make:
         yield make
+
+
+@pytest.fixture
+def shared_mounts() -> Iterator[Any]:
+    """Like ``mounts``, under a directory every user may traverse (pytest's
+    tmp_path is 0700 to root)."""
+    root = Path(tempfile.mkdtemp(prefix="ckptfs-users-", dir="/tmp"))
+    root.chmod(0o755)
+    try:
+        with mount_factory(root, run_dir_mode=0o755) as make:
+            yield make
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture

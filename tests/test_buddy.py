@@ -18,6 +18,7 @@ from pathlib import Path
 from ckptfs.fs.manifest import read_manifest
 from conftest import Mount, wait_for
 from test_peers_mount import cluster_config, free_port, peers_of
+from test_users import GROUP, USER, run_as
 
 MiB = 1 << 20
 SLOW = "32KiB"  # a flush cap that keeps a file pending for the whole test
@@ -332,3 +333,78 @@ def test_a_restarted_buddy_is_given_the_pending_files_again(mounts, tmp_path):
         "n2 makes a.pt durable",
     )
     assert (n2.mnt / "a.pt").read_bytes() == data
+
+
+USER_SAVE = """
+path, seed = sys.argv[3], int(sys.argv[4])
+g = torch.Generator().manual_seed(seed)
+w, b = torch.randn(1500, 1000, generator=g), torch.randn(777, generator=g)
+state = {"w": w, "b": b, "step": seed}
+torch.save(state, path + ".tmp")
+os.replace(path + ".tmp", path)
+st = os.stat(path)
+print(json.dumps([st.st_uid, st.st_gid]))
+"""
+
+USER_LOAD = """
+path, seed, mmap = sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1"
+g = torch.Generator().manual_seed(seed)
+w, b = torch.randn(1500, 1000, generator=g), torch.randn(777, generator=g)
+state = torch.load(path, mmap=mmap, weights_only=True)
+print(json.dumps([torch.equal(state["w"], w) and torch.equal(state["b"], b), state["step"]]))
+"""
+
+
+def test_an_ordinary_users_checkpoint_outlives_its_node_and_resumes_on_another(
+    shared_mounts, tmp_path
+):
+    """A job running as an ordinary user saves on n1 (torch.save to a
+    temporary name, then os.replace) and n1 dies before any flush. Its buddy
+    makes the file durable, still the user's; the job resumes on n3 as the
+    same user, saves over it, and after an unmount and a mount of n3 with an
+    empty cache, and again after another, loads every tensor back."""
+    config = cluster_config(tmp_path, {n: free_port() for n in ("n1", "n2", "n3")})
+    nodes = {n: shared_mounts(n) for n in ("n1", "n2", "n3")}
+    for name, m in nodes.items():
+        env = {"CKPTFS_FLUSH_BANDWIDTH": SLOW} if name == "n1" else {}
+        m.mount("--config", str(config), "--node", name, env=env)
+    n1, n2, n3 = nodes["n1"], nodes["n2"], nodes["n3"]
+    for name, m in nodes.items():
+        wait_for(lambda m=m: all(p["alive"] for p in peers_of(m).values()), 30, f"{name} alive")
+        m.allowed_log += PEER_LOGS + ["is dead", "taking over", "unmounted", "timed out"]
+    job = n1.mnt / "job"
+    job.mkdir()
+    os.chown(job, USER, GROUP)
+    rel = "job/model.pt"
+    assert run_as(USER, GROUP, USER_SAVE, str(n1.mnt / rel), "1") == [USER, GROUP]
+    info = file_info(n1, rel)
+    assert info is not None and info["holders"] == ["n1", "n2"], info
+    n1.kill()
+    n3.allowed_log.append("is not mirrored (buddy n1 is down)")  # n1 was n3's buddy
+
+    def durable() -> bool:
+        m = read_manifest(n1.backing / rel)
+        return m is not None and m.state == "durable" and m.holders == ["n2"]
+
+    wait_for(durable, 60, "n2 makes the user's checkpoint durable")
+    st = (n1.backing / rel).stat()
+    assert (st.st_uid, st.st_gid) == (USER, GROUP)
+    assert run_as(USER, GROUP, USER_LOAD, str(n3.mnt / rel), "1", "1") == [True, 1]
+    assert run_as(USER, GROUP, USER_SAVE, str(n3.mnt / rel), "2") == [USER, GROUP]
+    cold = [Path(f"{n3.cache_dir}-cold{i}") for i in (1, 2)]
+    try:
+        for i, cache_dir in enumerate(cold):
+            n3.umount()
+            n3.mount(
+                "--config", str(config), "--node", "n3", env={"CKPTFS_CACHE_DIR": str(cache_dir)}
+            )
+            mmap = str(i)  # a plain load, then an mmap load
+            assert run_as(USER, GROUP, USER_LOAD, str(n3.mnt / rel), "2", mmap) == [True, 2]
+            assert (n3.mnt / rel).stat().st_uid == USER
+        assert (n2.mnt / rel).read_bytes() == (n3.mnt / rel).read_bytes()
+        n2.umount()
+        n3.umount()
+        assert "all well" in n3.cli("check", str(n3.backing)).stdout
+    finally:
+        for cache_dir in cold:
+            subprocess.run(["rm", "-rf", str(cache_dir)], timeout=60)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import trio
+import trio.testing
 from ckptfs.fs import backing as backing_mod
 from ckptfs.fs.arena import Arena
 from ckptfs.fs.backing import Backing
@@ -345,5 +347,50 @@ def test_every_file_content_has_its_own_mirror_id_even_after_a_restart(tmp_path:
         assert len({a.mirror_id, b.mirror_id, c.mirror_id}) == 3 and all(
             f.mirror_id for f in (a, b, c)
         )
+
+    trio.run(main)
+
+
+def test_the_same_generation_again_leaves_a_committed_mirror_committed(tmp_path: Path):
+    """A resync to a buddy that kept its mirrors sends every page again at the
+    same generations: the version stays held (a takeover would flush it)."""
+
+    async def main() -> None:
+        cache = make_cache(tmp_path)
+        page0, page1 = os.urandom(MiB), os.urandom(4321)
+        assert await cache.mirror_page("n1", "m1", "f1", 0, 5, memoryview(page0), timeout=1)
+        assert await cache.mirror_page("n1", "m1", "f1", 1, 6, memoryview(page1), timeout=1)
+        m = Manifest("f1", "v1", MiB + 4321, 0o644, 1, "pending", ["n1", "n2"])
+        ram = {0: (5, MiB), 1: (6, 4321)}
+        assert cache.mirror_commit("n1", "m1", m, "a.pt", 0, 0, ram, {}, ChunkMap()) == []
+        used = cache.arena.used_slots
+        assert await cache.mirror_page("n1", "m1", "f1", 0, 5, memoryview(page0), timeout=1)
+        [slot] = cache.reserve_mirror_slots(1) or []
+        cache.mirror_page_into("n1", "m1", "f1", 1, 6, slot, 4321)
+        f = cache.held_version("f1", "v1")
+        assert f is not None and f.state is FileState.PENDING
+        assert cache.arena.used_slots == used and cache.mirror_reserved == 0
+        assert bytes(await cache.read(f, 0, f.size)) == page0 + page1
+
+    trio.run(main)
+
+
+def test_a_page_waiting_for_room_frees_its_slot_whatever_happens_meanwhile(tmp_path: Path):
+    async def main() -> None:
+        cache = make_cache(tmp_path)
+        cache.mirror_quota = 1
+        page = memoryview(os.urandom(MiB))
+        assert await cache.mirror_page("n1", "m1", "f1", 0, 1, page, timeout=1)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(cache.mirror_page, "n1", "m2", "f2", 0, 2, page, timeout=5))
+            await trio.testing.wait_all_tasks_blocked()
+            # Another node says m2 is gone for good (it is not its mirror, so
+            # m2 stays), and m1's room frees: the waiting page goes in or its
+            # slot goes back, never half.
+            cache.mirror_drop("n9", "m2", "")
+            assert cache.mirror_drop("n1", "m1", "")
+        assert cache.mirror_reserved == 0
+        assert cache.mirror_slots == sum(f.ram_count for f in cache.mirrors.values())
+        assert cache.arena.used_slots == cache.mirror_slots
 
     trio.run(main)

@@ -16,16 +16,14 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Mount, is_mounted, mount_factory
+from conftest import Mount, is_mounted
 
 USER, GROUP = 65534, 65534  # nobody:nogroup
 OTHER = 65533
@@ -53,19 +51,6 @@ def run_as(uid: int, gid: int, code: str, *args: str, timeout: float = 120) -> A
     )
     assert proc.returncode == 0, f"as {uid}:{gid} failed:\n{proc.stderr}{proc.stdout}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-@pytest.fixture
-def shared_mounts() -> Iterator[Any]:
-    """Like ``mounts``, under a directory every user may traverse (pytest's
-    tmp_path is 0700 to root)."""
-    root = Path(tempfile.mkdtemp(prefix="ckptfs-users-", dir="/tmp"))
-    root.chmod(0o755)
-    try:
-        with mount_factory(root, run_dir_mode=0o755) as make:
-            yield make
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def manifest_of(path: Path) -> dict[str, Any]:

@@ -939,8 +939,13 @@ def test_tls_round_trip(tls_files: tuple[Path, Path], caplog: pytest.LogCaptureF
     data = os.urandom(8 * MiB)
 
     async def main() -> None:
-        async with running_server(ssl_context=server_context) as port:
+        places = Places()
+        async with running_server(placed, ssl_context=server_context, placer=places) as port:
             async with client(port, ssl_context=client_context) as conn:
+                # A placed payload: read out of the ssl module's buffers into its views.
+                response = await conn.request("place", {}, data[: 3 * MiB + 1])
+                assert response.meta["placed"] and response.payload == data[: 3 * MiB + 1]
+                assert places.released == 1
                 for size in (0, 1024, 8 * MiB):
                     response = await conn.request("echo", {"size": size}, data[:size])
                     assert response.payload == data[:size]

@@ -547,14 +547,12 @@ class Cache:
             if slot is None:
                 return False
             if self.mirrors.get(mid) is not f or f.role is not FileRole.MIRROR:
-                self.arena.release(slot)  # dropped or taken over meanwhile
-                self._signal_space()
+                self._free_slot(slot)  # dropped or taken over meanwhile
                 return True
             try:
                 self.arena.write(slot, 0, data)
             except BaseException:
-                self.arena.release(slot)
-                self._signal_space()
+                self._free_slot(slot)
                 raise
             self._hold_page(f, p, gen, slot, len(data))
             return True
@@ -574,8 +572,7 @@ class Cache:
             slot = self.try_alloc()
             if slot is None:
                 for slot in slots:
-                    self.arena.release(slot)
-                self._signal_space()
+                    self._free_slot(slot)
                 return None
             slots.append(slot)
         self.mirror_reserved += n
@@ -583,8 +580,7 @@ class Cache:
 
     def unreserve_mirror_slot(self, slot: int) -> None:
         self.mirror_reserved -= 1
-        self.arena.release(slot)
-        self._signal_space()
+        self._free_slot(slot)
 
     def mirror_page_into(
         self, origin: str, mid: str, file_id: str, p: int, gen: int, slot: int, fill: int
@@ -602,8 +598,7 @@ class Cache:
         held already has these bytes or newer ones."""
         page = f.pages.get(p)
         if page is not None and _adds_nothing(page, gen, fill):
-            self.arena.release(slot)
-            self._signal_space()
+            self._free_slot(slot)
             return
         if page is not None:
             self._drop_mirror_page(f, p)
@@ -759,6 +754,10 @@ class Cache:
         if f.ram_count:
             self._resident.pop(f, None)
             self._resident[f] = None
+
+    def _free_slot(self, slot: int) -> None:
+        self.arena.release(slot)
+        self._signal_space()
 
     def _signal_space(self) -> None:
         self._space_event.set()

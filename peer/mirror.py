@@ -479,13 +479,21 @@ class MirrorClient:
 
 
 class _ReceivedPages:
-    """Arena slots reserved for one batch, received into in order; the
-    handler takes them front to back, and the rest go back at release."""
+    """A batch received straight into arena slots reserved for it: its
+    (page, generation, fill) and one slot per page, in order. ``hold`` makes
+    them the mirror's pages; ``release`` gives back the slots not taken."""
 
-    def __init__(self, cache: Cache, slots: list[int]) -> None:
+    def __init__(self, cache: Cache, pages: list[tuple[int, int, int]], slots: list[int]):
         self.cache = cache
+        self.pages = pages
         self.slots = slots
         self.taken = 0
+
+    def hold(self, origin: str, mid: str, file_id: str) -> list[int]:
+        for (p, gen, fill), slot in zip(self.pages, self.slots, strict=True):
+            self.cache.mirror_page_into(origin, mid, file_id, p, gen, slot, fill)
+            self.taken += 1
+        return [p for p, _gen, _fill in self.pages]
 
     def release(self) -> None:
         for slot in self.slots[self.taken :]:
@@ -560,7 +568,7 @@ class MirrorServer:
         slots = self.cache.reserve_mirror_slots(len(pages))
         if slots is None:
             return None
-        received = _ReceivedPages(self.cache, slots)
+        received = _ReceivedPages(self.cache, pages, slots)
         views = [
             self.cache.arena.slot_view(slot, 0, fill)
             for slot, (_p, _gen, fill) in zip(slots, pages, strict=True)
@@ -589,19 +597,15 @@ class MirrorServer:
         the writer sends the rest again later."""
         meta = request.meta
         mid, file_id = str(meta["mid"]), str(meta["file_id"])
-        placement = request.placement
-        size = len(request.payload) if placement is None else sum(map(len, placement.views))
-        try:
-            pages = self._batch(meta, size)
-        except ValueError as exc:
-            return Response.fail(str(exc))
-        held: list[int] = []
-        if placement is not None and isinstance(placement.owner, _ReceivedPages):
-            for (p, gen, fill), slot in zip(pages, placement.owner.slots, strict=True):
-                self.cache.mirror_page_into(peer, mid, file_id, p, gen, slot, fill)
-                placement.owner.taken += 1
-                held.append(p)
+        received = request.placement.owner if request.placement is not None else None
+        if isinstance(received, _ReceivedPages):  # validated by place()
+            pages, held = received.pages, received.hold(peer, mid, file_id)
         else:
+            try:
+                pages = self._batch(meta, len(request.payload))
+            except ValueError as exc:
+                return Response.fail(str(exc))
+            held = []
             # One wait for the whole batch, well inside the writer's request timeout.
             until = trio.current_time() + (self.timeout / 2 if meta.get("wait", True) else 0.0)
             off = 0

@@ -20,6 +20,8 @@ from ckptfs.fs.chunkstore import ChunkStore
 from ckptfs.fs.journal import Journal
 from ckptfs.fs.manifest import Manifest, read_manifest, write_manifest
 from ckptfs.fs.state import FileRole, FileState, Published
+from ckptfs.peer.mirror import PAGE, MirrorServer
+from ckptfs.peer.transport import Request
 
 MiB = 1 << 20
 
@@ -145,6 +147,17 @@ def make_cache(tmp_path: Path, name: str = "n2") -> Cache:
     return Cache(arena, store, BackingIO(10), Journal(tmp_path / f"journal-{name}"), node=name)
 
 
+async def _no_manifest(path: str) -> Manifest | None:
+    return None
+
+
+def buddy_of_n1(cache: Cache) -> MirrorServer:
+    """The mirror server of n1's buddy over ``cache``; n1 is alive, and its
+    busy batches wait at most 0.1 s (half of a 0.2 s timeout)."""
+    return MirrorServer(cache, mirrored_for=("n1",), timeout=0.2, manifest_at=_no_manifest,
+                        is_alive=lambda name: True)  # fmt: skip
+
+
 def test_a_mirror_serves_a_version_only_once_its_page_table_matches(tmp_path: Path):
     async def main() -> None:
         cache = make_cache(tmp_path)
@@ -211,19 +224,10 @@ def test_a_full_mirror_quota_answers_busy_and_frees_on_drop(tmp_path: Path):
 def test_a_batch_of_pages_is_held_up_to_the_quota_and_malformed_batches_change_nothing(
     tmp_path: Path,
 ):
-    from ckptfs.peer.mirror import PAGE, MirrorServer
-    from ckptfs.peer.transport import Request
-
-    async def no_manifest(path: str) -> Manifest | None:
-        return None
-
     async def main() -> None:
         cache = make_cache(tmp_path)
         cache.mirror_quota = 3
-        server = MirrorServer(
-            cache, mirrored_for=("n1",), timeout=0.2, manifest_at=no_manifest,
-            is_alive=lambda name: True,
-        )  # fmt: skip
+        server = buddy_of_n1(cache)
         pages = [os.urandom(MiB), os.urandom(MiB), os.urandom(MiB // 2)]
 
         def request(batch: list[list[int]], payload: bytes) -> Request:
@@ -263,19 +267,10 @@ def test_a_batch_of_pages_is_held_up_to_the_quota_and_malformed_batches_change_n
 def test_a_batch_is_received_straight_into_reserved_slots_and_older_generations_never_win(
     tmp_path: Path,
 ):
-    from ckptfs.peer.mirror import PAGE, MirrorServer
-    from ckptfs.peer.transport import Request
-
-    async def no_manifest(path: str) -> Manifest | None:
-        return None
-
     async def main() -> None:
         cache = make_cache(tmp_path)
         cache.mirror_quota = 4
-        server = MirrorServer(
-            cache, mirrored_for=("n1",), timeout=0.2, manifest_at=no_manifest,
-            is_alive=lambda name: True,
-        )  # fmt: skip
+        server = buddy_of_n1(cache)
         new0, new1, old0 = os.urandom(MiB), os.urandom(MiB // 3), os.urandom(MiB)
 
         def meta(mid: str, batch: list[list[int]]) -> dict[str, object]:

@@ -11,6 +11,7 @@ import fnmatch
 import logging
 import time
 from collections.abc import Callable
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,15 @@ from .retention import apply_retention
 from .state import FileRole, FileState, Published
 
 log = logging.getLogger("ckptfs.core")
+
+
+class Prefault(Enum):
+    """Where the background pass that touches the whole cache is."""
+
+    OFF = "off"  # cache.prefault: false (or a daemon started without it)
+    RUNNING = "running"
+    DONE = "done"
+    STOPPED = "stopped"  # an error ended it; the rest is touched by first writes
 
 
 class Core:
@@ -77,6 +87,7 @@ class Core:
         self.backing = Backing(self.backing_root, self.io)
         self.fs = FileSystem(config, self.backing, self.cache, self.flusher)
         self.prefaulted = 0
+        self.prefault = Prefault.OFF
         self.recovered = 0
 
     async def start(self, nursery: trio.Nursery, *, prefault: bool = True) -> None:
@@ -88,6 +99,7 @@ class Core:
         nursery.start_soon(self.history.run)
         nursery.start_soon(self.fs.retry_commits)
         if prefault and self.config.cache_prefault:
+            self.prefault = Prefault.RUNNING
             nursery.start_soon(self._prefault)
 
     async def _publish_flushed(
@@ -174,9 +186,11 @@ class Core:
                 self.prefaulted += await trio.to_thread.run_sync(self.arena.prefault, batch)
             except OSError as exc:
                 log.error("pre-faulting the cache in %s stopped: %s", self.cache_root, exc)
+                self.prefault = Prefault.STOPPED
                 return
             finally:
                 self.arena.return_prefault_batch(batch)
+        self.prefault = Prefault.DONE
         log.info(
             "pre-faulted %d MiB of cache in %.1fs", self.prefaulted >> 20, time.monotonic() - start
         )

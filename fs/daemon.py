@@ -173,6 +173,7 @@ class Daemon:
                 **core.cache.stats(),
                 "dir": str(core.cache_root),
                 "prefaulted": core.prefaulted,
+                "prefault": core.prefault.value,
             },
             "flush": core.flusher.stats(),
             "fuse": core.fs.describe(),

@@ -49,6 +49,7 @@ from .benchlib import (
     save,
     stat_json,
     timed,
+    wait_prefaulted,
 )
 
 NODES = ("n1", "n2", "n3")
@@ -94,6 +95,8 @@ class Cluster:
             if n == "n3":
                 args += ["--durability", "local"]
             print(ckptfs(layout, *args).strip())
+        faulting = sum(wait_prefaulted(layout) for layout in self.layouts.values())
+        print(f"caches pre-faulted (waited {faulting:.1f}s)")
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if all(all(p["alive"] for p in self.stat(n)["peers"]) for n in NODES):
@@ -125,6 +128,7 @@ class Cluster:
             print(ckptfs(layout, *args).strip())
         finally:
             del os.environ["CKPTFS_FLUSH_BANDWIDTH"]
+        wait_prefaulted(layout)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if all(p["alive"] for p in self.stat(n)["peers"]):

@@ -181,7 +181,7 @@ def wait_ready(nodes: list[Node], peers: list[Node]) -> None:
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         stats = [n.stat() for n in nodes]
-        faulted = all(s["cache"]["prefaulted"] >= s["cache"]["capacity"] for s in stats)
+        faulted = all(s["cache"]["prefault"] != "running" for s in stats)
         alive = all(
             all(p["alive"] for p in s["peers"]) for n, s in zip(nodes, stats, strict=True)
             if n in peers

@@ -12,10 +12,19 @@ Worker threads (flusher, spiller, chunk fetches) read and fill slots through
 a shared mapping of the file, without copying. While a thread uses a slot it
 holds a pin; releasing a pinned slot is deferred until the last pin goes, so
 a slot is never handed to another file while a thread still reads it.
+
+The event loop copies FUSE writes into slots through the same mapping: a
+store into mapped pages is about three times faster than ``pwrite`` into tmpfs
+(58 against 180-240 µs per MiB here), and it is on the writer's critical path,
+since each 1 MiB write request waits for it. It is done only into slots known
+to be backed (no holes): a store into a hole of a full tmpfs would be a
+SIGBUS, where ``pwrite`` fails with ENOSPC. The pre-fault pass backs each slot
+and maps its pages into this process, so that no store pays a page fault.
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 from collections import deque
@@ -23,6 +32,8 @@ from pathlib import Path
 
 SLOT_SIZE = 1 << 20  # one FUSE request
 _ZEROS = bytes(SLOT_SIZE)
+# Linux 5.14; Python's mmap names it only from 3.13 on.
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 class Arena:
@@ -45,6 +56,9 @@ class Arena:
         self._prefaulting = 0
         self._pins: dict[int, int] = {}
         self._release_on_unpin: set[int] = set()
+        # 1 where every page of the slot exists in the file: stores through
+        # the mapping cannot fault for want of memory there.
+        self._backed = bytearray(self.nslots)
 
     @property
     def capacity(self) -> int:
@@ -93,18 +107,27 @@ class Arena:
         end = (slot + 1) * self.slot_size if length is None else start + length
         return self.view[start:end]
 
+    def backed(self, slot: int) -> bool:
+        return bool(self._backed[slot])
+
     def write(self, slot: int, offset: int, data: bytes | memoryview) -> None:
-        os.pwrite(self.fd, data, slot * self.slot_size + offset)
+        start = slot * self.slot_size + offset
+        if self._backed[slot]:
+            self.view[start : start + len(data)] = data
+            return
+        self._pwrite_all(data, start)
+        if offset + len(data) == self.slot_size:
+            # Filled to its end: look once whether any hole is left.
+            self._backed[slot] = self._is_backed(slot * self.slot_size)
 
     def copy(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` bytes of slot ``src`` to slot ``dst``."""
         if length:
-            start, end = src * self.slot_size, dst * self.slot_size
-            self.view[end : end + length] = self.view[start : start + length]
+            self.write(dst, 0, self.view[src * self.slot_size : src * self.slot_size + length])
 
     def zero(self, slot: int, start: int, end: int) -> None:
         if end > start:
-            os.pwrite(self.fd, memoryview(_ZEROS)[: end - start], slot * self.slot_size + start)
+            self.write(slot, start, memoryview(_ZEROS)[: end - start])
 
     def read(self, slot: int, offset: int, length: int) -> bytes:
         return os.pread(self.fd, length, slot * self.slot_size + offset)
@@ -120,15 +143,35 @@ class Arena:
         return batch
 
     def prefault(self, batch: list[int]) -> int:
-        """Zero-fill the slots of ``batch`` that are holes (blocking); return bytes touched."""
+        """Zero-fill the slots of ``batch`` that are holes and map their pages
+        into this process (blocking); return bytes zero-filled."""
         touched = 0
         for slot in batch:
             start = slot * self.slot_size
-            if self._is_backed(start):
-                continue
-            os.pwrite(self.fd, _ZEROS[: self.slot_size], start)
-            touched += self.slot_size
+            if not self._is_backed(start):
+                self._pwrite_all(memoryview(_ZEROS)[: self.slot_size], start)
+                touched += self.slot_size
+            self._map_pages(start)
+            self._backed[slot] = 1
         return touched
+
+    def _pwrite_all(self, data: bytes | memoryview, start: int) -> None:
+        """pwrite every byte or raise: a full tmpfs first writes short, then
+        fails with ENOSPC, and a short write must not pass for a whole one."""
+        view = memoryview(data)
+        while view:
+            written = os.pwrite(self.fd, view, start)
+            if not written:
+                raise OSError(errno.ENOSPC, f"{self.path}: no byte written at {start}")
+            view, start = view[written:], start + written
+
+    def _map_pages(self, start: int) -> None:
+        """Fill this process's page table for one backed slot (saves 256 minor
+        faults on its first store, about 0.4 ms per MiB here)."""
+        try:
+            self._map.madvise(MADV_POPULATE_WRITE, start, self.slot_size)
+        except OSError:
+            pass  # an older kernel (EINVAL): the first store faults the pages in
 
     def return_prefault_batch(self, batch: list[int]) -> None:
         self._prefaulting -= len(batch)

@@ -1,6 +1,6 @@
 """Buddy mirroring on loopback: save cost and restore from a peer's RAM.
 
-    python -m ckptfs.tools.bench.bench_buddy [--size-gib 1] [--runs 3] [--workdir DIR]
+    python -m ckptfs.tools.bench.bench_buddy [--size-gib 1] [--runs 3] [--warmup 1] [--workdir DIR]
 
 Mounts three daemons on this machine (n1, n2, n3; one shared backing
 directory on the local disk under --workdir, caches in /dev/shm, loopback
@@ -10,6 +10,8 @@ peer ports). n1 writes with ``durability: buddy`` (its buddy is n2), n3 with
 - save: ``torch.save`` of a GPT-like state dict of about --size-gib into
   tmpfs, into n3 (local), and into n1 (buddy: close returns once n2 holds
   every page); each ckptfs save is drained (``flush --wait``) before the next.
+  Also the buddy / tmpfs ratio of each run, and the CPU seconds each save
+  cost the trainer and the daemons involved.
 - restore: with n1's flush capped (--cap-mib MB/s) so the file stays pending,
   ``torch.load`` on n1 (its own RAM) against ``torch.load`` on n3 (bytes from
   a holder's RAM over loopback, verified), kernel page cache dropped before
@@ -107,6 +109,13 @@ class Cluster:
     def mnt(self, n: str) -> Path:
         return self.layouts[n].mountpoint
 
+    def cpu_seconds(self, n: str) -> float:
+        """User + system CPU seconds the daemon of ``n`` has used so far."""
+        pid = int(next(self.layouts[n].run_dir.glob("*.pid")).read_text())
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stat(self, n: str) -> dict:
         return stat_json(self.layouts[n], self.mnt(n))
 
@@ -176,21 +185,47 @@ def run(args: argparse.Namespace, c: Cluster) -> None:
     tmpfs.mkdir(exist_ok=True)
     c.mount()
     saves: dict[str, list[float]] = {"tmpfs": [], "local (n3)": [], "buddy (n1)": []}
+    # CPU seconds per save: where a save's time goes when everything shares 2 cores.
+    cpu: dict[str, list[float]] = {
+        k: [] for k in ("trainer (local)", "n3", "trainer (buddy)", "n1", "n2")
+    }
     try:
-        for i in range(args.runs):
+        # One untimed round first: the first save into each target after the
+        # mounts (and 13 GiB of pre-faulting) was often 2-3x slower.
+        for i in range(-args.warmup, args.runs):
             for what, path in (
                 ("tmpfs", tmpfs / "ckpt.pt"),
                 ("local (n3)", c.mnt("n3") / f"save{i}.pt"),
                 ("buddy (n1)", c.mnt("n1") / f"save{i}.pt"),
             ):
                 rewarm()
+                daemons = {"local (n3)": ("n3",), "buddy (n1)": ("n1", "n2")}.get(what, ())
+                before = {n: c.cpu_seconds(n) for n in daemons}
+                trainer = time.process_time()
                 seconds, _ = timed(lambda p=path, w=what: save(sd, p, w))
-                saves[what].append(seconds)
+                if i < 0:
+                    print(f"warm-up (untimed): {what} {seconds:.2f}s")
+                else:
+                    saves[what].append(seconds)
+                    if daemons:
+                        cpu[f"trainer ({what.split()[0]})"].append(time.process_time() - trainer)
+                    for n in daemons:
+                        cpu[n].append(c.cpu_seconds(n) - before[n])
                 if what != "tmpfs":  # drained, so it does not slow the next save
                     c.drain("n3" if "n3" in what else "n1")
                 os.unlink(path)
-            print_run(i, saves)
+            if i >= 0:
+                print_run(i, saves)
         report(f"save (median of {args.runs})", saves, "tmpfs")
+        ratios = sorted(b / t for b, t in zip(saves["buddy (n1)"], saves["tmpfs"], strict=True))
+        print(
+            f"  buddy / tmpfs per run: {', '.join(f'{r:.2f}' for r in ratios)}"
+            f" (median {statistics.median(ratios):.2f}x)"
+        )
+        print(
+            "  CPU seconds per save (medians): "
+            + ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in cpu.items())
+        )
         writer = c.stat("n1")["mirroring"]["writer"]
         print(
             f"  n1 mirrored {writer['bytes_sent'] / GIB:.2f} GiB, {writer['fallbacks']} fallback(s)"
@@ -233,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench_buddy", description=__doc__.splitlines()[0])
     p.add_argument("--size-gib", type=float, default=1.0)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds of saves first")
     p.add_argument("--workdir", type=Path, default=Path("/var/tmp/ckptfs-bench-buddy"))
     p.add_argument("--rewarm-gib", type=float, default=2.0)
     p.add_argument("--cap-mib", type=float, default=1.0, help="n1's flush cap in the restore part")

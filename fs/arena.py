@@ -110,6 +110,18 @@ class Arena:
     def backed(self, slot: int) -> bool:
         return bool(self._backed[slot])
 
+    def back(self, slot: int) -> None:
+        """Make a slot just allocated (its bytes do not matter) free of holes,
+        before its views go to code that stores into them from user space
+        (a peer transfer's buffered bytes, a bounce copy); OSError (ENOSPC)
+        if tmpfs has no memory for it. Zero-fills only a slot with a hole."""
+        if self._backed[slot]:
+            return
+        start = slot * self.slot_size
+        if not self._is_backed(start):
+            self._pwrite_all(memoryview(_ZEROS)[: self.slot_size], start)
+        self._backed[slot] = 1
+
     def write(self, slot: int, offset: int, data: bytes | memoryview) -> None:
         start = slot * self.slot_size + offset
         if self._backed[slot]:

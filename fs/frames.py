@@ -240,6 +240,8 @@ class FrameCache:
 
     async def _read_into(self, frame: Frame, what: str) -> None:
         chunk = frame.chunk
+        for slot in frame.slots:
+            self.arena.back(slot)  # the copies into these views are stores from user space
         # Whole slots: an O_DIRECT read rounds the chunk's end up to a block,
         # into the rest of its last slot (slots start page-aligned in the mapping).
         views = [self.arena.slot_view(slot) for slot in frame.slots]

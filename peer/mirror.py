@@ -568,6 +568,16 @@ class MirrorServer:
         slots = self.cache.reserve_mirror_slots(len(pages))
         if slots is None:
             return None
+        try:
+            # The transport copies bytes it already buffered into these views
+            # from user space: a hole of a full tmpfs there would be a SIGBUS.
+            for slot in slots:
+                self.cache.arena.back(slot)
+        except OSError as exc:
+            for slot in slots:
+                self.cache.unreserve_mirror_slot(slot)
+            log.warning("receiving a batch from %s into the buffer instead: %s", peer, exc)
+            return None  # the buffered path writes with pwrite: ENOSPC, an error reply
         received = _ReceivedPages(self.cache, pages, slots)
         views = [
             self.cache.arena.slot_view(slot, 0, fill)

@@ -39,6 +39,22 @@ def test_a_slot_is_stored_into_through_the_mapping_once_it_has_no_holes(tmp_path
         arena.close()
 
 
+def test_back_zero_fills_only_a_slot_with_holes(tmp_path):
+    arena = Arena(tmp_path / "arena", 4 * SLOT, SLOT)
+    try:
+        data = os.urandom(SLOT)
+        arena.write(0, 0, data)  # no hole: backed, and back() leaves it be
+        arena.back(0)
+        assert file_bytes(arena, 0) == data
+        arena.write(1, 0, data[:100])
+        arena.back(1)  # a hole after 100 bytes: the whole slot is zero-filled
+        assert arena.backed(1) and file_bytes(arena, 1) == bytes(SLOT)
+        arena.write(1, 5, b"x")  # through the mapping now
+        assert file_bytes(arena, 1)[:7] == bytes(5) + b"x" + bytes(1)
+    finally:
+        arena.close()
+
+
 def test_prefault_backs_and_maps_every_slot_of_a_batch(tmp_path):
     arena = Arena(tmp_path / "arena", 4 * SLOT, SLOT)
     try:
@@ -85,6 +101,14 @@ FULL_TMPFS = textwrap.dedent(
             arena.copy(backed[0], slot, SLOT)
         except OSError as exc:
             assert exc.errno == errno.ENOSPC, exc
+        # Before its views are handed to a peer transfer or a bounce copy.
+        try:
+            arena.back(slot)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+        else:
+            raise SystemExit(f"backing hole slot {slot} of a full tmpfs passed")
+        assert not arena.backed(slot)
     print("ok")
     """
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -319,6 +320,17 @@ def test_a_batch_is_received_straight_into_reserved_slots_and_older_generations_
         assert placement is not None and cache.mirror_reserved == 2
         placement.release()
         assert cache.mirror_reserved == 0 and cache.arena.used_slots == used + 2
+        # A full tmpfs (no memory for a slot's holes): the buffered path, whose
+        # write fails with ENOSPC; nothing stays reserved.
+        real_back = cache.arena.back
+
+        def no_memory(slot: int) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        cache.arena.back = no_memory  # type: ignore[method-assign]
+        assert server.place("n1", PAGE, meta("m2", [[0, 1, MiB]]), MiB) is None
+        assert cache.mirror_reserved == 0 and cache.arena.used_slots == used + 2
+        cache.arena.back = real_back  # type: ignore[method-assign]
         held.origin = "n9"
         response = await receive("m1", [[0, 12, MiB]], new0)
         assert not response.ok and "not n1's to change" in str(response.error)

@@ -20,7 +20,8 @@ def format_stat(s: dict[str, Any]) -> str:
         f"durability {s['durability']}",
         f"backing: {s['backing']}  health {s['backing_health']}",
         f"cache:   {human(c['used'])} used of {human(c['capacity'])}, {human(c['dirty'])} dirty"
-        f"  (pre-faulted {human(c['prefaulted'])} ({c['prefault']}),"
+        # .get: a daemon started before this CLI was installed has no state.
+        f"  (pre-faulted {human(c['prefaulted'])} ({c.get('prefault', 'state unknown')}),"
         f" evicted {human(c['evicted_bytes'])}, spilled {human(c['spilled_bytes'])})",
         f"backpressure: {c['waiting_writers']} writer(s) waiting now, "
         f"{c['backpressure_events']} event(s), {c['backpressure_seconds']:.1f}s waited",

@@ -10,8 +10,8 @@ peer ports). n1 writes with ``durability: buddy`` (its buddy is n2), n3 with
 - save: ``torch.save`` of a GPT-like state dict of about --size-gib into
   tmpfs, into n3 (local), and into n1 (buddy: close returns once n2 holds
   every page); each ckptfs save is drained (``flush --wait``) before the next.
-  Also the buddy / tmpfs ratio of each run, and the CPU seconds each save
-  cost the trainer and the daemons involved.
+  Also the buddy / tmpfs ratio of each run, and the CPU seconds the trainer
+  and the daemons involved used while each save ran.
 - restore: with n1's flush capped (--cap-mib MB/s) so the file stays pending,
   ``torch.load`` on n1 (its own RAM) against ``torch.load`` on n3 (bytes from
   a holder's RAM over loopback, verified), kernel page cache dropped before
@@ -219,11 +219,11 @@ def run(args: argparse.Namespace, c: Cluster) -> None:
         report(f"save (median of {args.runs})", saves, "tmpfs")
         ratios = sorted(b / t for b, t in zip(saves["buddy (n1)"], saves["tmpfs"], strict=True))
         print(
-            f"  buddy / tmpfs per run: {', '.join(f'{r:.2f}' for r in ratios)}"
+            f"  buddy / tmpfs per run, sorted: {', '.join(f'{r:.2f}' for r in ratios)}"
             f" (median {statistics.median(ratios):.2f}x)"
         )
         print(
-            "  CPU seconds per save (medians): "
+            "  CPU seconds used while the save ran (its flush afterwards not counted; medians): "
             + ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in cpu.items())
         )
         writer = c.stat("n1")["mirroring"]["writer"]

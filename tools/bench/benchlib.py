@@ -366,7 +366,14 @@ def wait_prefaulted(layout: Layout, timeout: float = 300) -> float:
     start = time.perf_counter()
     deadline = start + timeout
     while time.perf_counter() < deadline:
-        if stat_json(layout, layout.mountpoint)["cache"]["prefault"] != "running":
+        state = stat_json(layout, layout.mountpoint)["cache"]["prefault"]
+        if state == "stopped":
+            print(
+                f"warning: {layout.mountpoint}: pre-faulting stopped (see the daemon's log);"
+                " measuring with a partly pre-faulted cache",
+                file=sys.stderr,
+            )
+        if state != "running":
             return time.perf_counter() - start
         time.sleep(0.2)
     raise BenchError(f"{layout.mountpoint}: cache not pre-faulted within {timeout:.0f}s")

@@ -115,12 +115,17 @@ class Arena:
         before its views go to code that stores into them from user space
         (a peer transfer's buffered bytes, a bounce copy); OSError (ENOSPC)
         if tmpfs has no memory for it. Zero-fills only a slot with a hole."""
-        if self._backed[slot]:
-            return
+        if not self._backed[slot]:
+            self._fill_holes(slot)
+            self._backed[slot] = 1
+
+    def _fill_holes(self, slot: int) -> bool:
+        """Zero-fill the whole slot if any of it is a hole; whether it did."""
         start = slot * self.slot_size
-        if not self._is_backed(start):
-            self._pwrite_all(memoryview(_ZEROS)[: self.slot_size], start)
-        self._backed[slot] = 1
+        if self._is_backed(start):
+            return False
+        self._pwrite_all(memoryview(_ZEROS)[: self.slot_size], start)
+        return True
 
     def write(self, slot: int, offset: int, data: bytes | memoryview) -> None:
         start = slot * self.slot_size + offset
@@ -159,11 +164,9 @@ class Arena:
         into this process (blocking); return bytes zero-filled."""
         touched = 0
         for slot in batch:
-            start = slot * self.slot_size
-            if not self._is_backed(start):
-                self._pwrite_all(memoryview(_ZEROS)[: self.slot_size], start)
+            if self._fill_holes(slot):
                 touched += self.slot_size
-            self._map_pages(start)
+            self._map_pages(slot * self.slot_size)
             self._backed[slot] = 1
         return touched
 

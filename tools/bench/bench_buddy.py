@@ -48,6 +48,7 @@ from .benchlib import (
     drop_page_cache,
     is_mounted,
     machine,
+    process_cpu_s,
     save,
     stat_json,
     timed,
@@ -111,10 +112,7 @@ class Cluster:
 
     def cpu_seconds(self, n: str) -> float:
         """User + system CPU seconds the daemon of ``n`` has used so far."""
-        pid = int(next(self.layouts[n].run_dir.glob("*.pid")).read_text())
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return process_cpu_s(int(next(self.layouts[n].run_dir.glob("*.pid")).read_text()))
 
     def stat(self, n: str) -> dict:
         return stat_json(self.layouts[n], self.mnt(n))

@@ -52,12 +52,12 @@ from .benchlib import (
     is_mounted,
     machine,
     print_lines,
+    process_cpu_s,
     save,
     table_lines,
 )
 
 COUNTINGFS = Path(ckptfs.__file__).resolve().parent / "tests" / "countingfs.py"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 # A reader: says it is ready (torch imported), waits for "go" on stdin so that
 # all start together, loads the checkpoint, prints the bytes of its tensors.
 READER = """
@@ -118,10 +118,9 @@ def free_port() -> int:
 
 def cpu_seconds(pid: int) -> float:
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return process_cpu_s(pid)
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 class Store:

@@ -75,6 +75,7 @@ from .benchlib import (
     BenchError,
     Layout,
     Rewarm,
+    cpu_busy_s,
     drop_page_cache,
     fsync_path,
     machine,
@@ -82,6 +83,7 @@ from .benchlib import (
     meminfo,
     mount,
     print_lines,
+    process_cpu_s,
     run_mounted,
     safety_margin,
     stat_json,
@@ -126,21 +128,6 @@ def cpu_seconds() -> float:
     """This process's utime + stime so far (all threads)."""
     t = os.times()
     return t.user + t.system
-
-
-def process_cpu_s(pid: int) -> float:
-    """utime + stime of ``pid`` (all its threads), from /proc/PID/stat."""
-    with open(f"/proc/{pid}/stat") as f:
-        rest = f.read().rsplit(")", 1)[1].split()
-    return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def cpu_busy_s() -> float:
-    """Busy CPU time of the whole machine so far (all CPUs), from /proc/stat."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def process_memory(pid: int) -> dict[str, int]:

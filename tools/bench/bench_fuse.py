@@ -59,12 +59,14 @@ from .benchlib import (
     BenchError,
     Rewarm,
     available_memory,
+    cpu_busy_s,
     detach,
     is_mounted,
     machine,
     markdown_lines,
     meminfo,
     print_lines,
+    process_cpu_s,
     table_lines,
 )
 
@@ -454,21 +456,6 @@ class Result:
     max_in_flight: int | None = None
     reads: int = 0
     sizes: Counter[int] = field(default_factory=Counter)
-
-
-def cpu_busy_s() -> float:
-    """Busy CPU time of the whole machine so far (all CPUs), from /proc/stat."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def process_cpu_s(pid: int) -> float:
-    """utime + stime of ``pid`` (all its threads), from /proc/PID/stat."""
-    with open(f"/proc/{pid}/stat") as f:
-        rest = f.read().rsplit(")", 1)[1].split()
-    return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def bdi_settings(path: Path) -> str:

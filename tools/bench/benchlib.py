@@ -58,6 +58,21 @@ def timed(fn: Callable[[], T]) -> tuple[float, T]:
     return time.perf_counter() - start, result
 
 
+def process_cpu_s(pid: int) -> float:
+    """utime + stime of ``pid`` (all its threads), from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        rest = f.read().rsplit(")", 1)[1].split()
+    return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_busy_s() -> float:
+    """Busy CPU time of the whole machine so far (all CPUs), from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def fsync_path(path: Path, directory: bool = False) -> None:
     """fsync ``path`` through a new fd (for a file, that flushes its dirty pages all the same)."""
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))

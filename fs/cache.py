@@ -279,9 +279,18 @@ class Cache:
         if self.files.get(f.file_id) is f:
             del self.files[f.file_id]
 
-    def handle_closed(self, f: CachedFile) -> None:
-        if f.unlinked and f.handles == 0:
+    def let_go(self, f: CachedFile) -> None:
+        """A handle or an inode of ``f`` is gone: an unlinked file nothing can
+        read any more is dropped."""
+        if f.unlinked and not self._referenced(f):
             self.drop(f)
+
+    @staticmethod
+    def _referenced(f: CachedFile) -> bool:
+        """Whether anything may still read ``f``: an open handle, or an inode
+        whose name was removed but which the kernel still knows (a path walk
+        that resolved the name before may open it)."""
+        return f.handles > 0 or f.orphan_inodes > 0
 
     def prune(self) -> int:
         """Forget the oldest idle entries beyond MAX_IDLE_FILES: durable, no RAM,
@@ -322,7 +331,7 @@ class Cache:
         if self.files.get(f.file_id) is f:
             del self.files[f.file_id]
         self._notify(f)
-        if f.handles:
+        if self._referenced(f):
             self.retired.add(f)
         else:
             self.drop(f)

@@ -161,6 +161,9 @@ class CachedFile:
     ino: int | None = None
     writers: int = 0
     handles: int = 0
+    # Inodes whose name was removed here but which the kernel still knows
+    # (fs/inodes.py): like open handles, they keep an unlinked file's bytes.
+    orphan_inodes: int = 0
     replaces_plain: bool = False
     lost_reason: str = ""
     publishing: Snapshot | None = None  # the snapshot a commit is publishing

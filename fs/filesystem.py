@@ -137,7 +137,7 @@ class FileSystem:
         self.backing = backing
         self.cache = cache
         self.flusher = flusher
-        self.inodes = InodeTable()
+        self.inodes = InodeTable(cache.let_go)
         self.handles: dict[int, Handle] = {}
         self.dir_handles: dict[int, tuple[int, list[tuple[str, Entry]] | None]] = {}
         self._fh = itertools.count(1)
@@ -196,17 +196,19 @@ class FileSystem:
         inode = self.inodes.bind(parent, name, entry.kind, entry.ident)
         self._checked(inode, entry)
         if entry.manifest is not None and inode.file is None:
-            inode.file = self.cache.files.get(entry.manifest.file_id)
-            if inode.file is not None:
-                inode.file.ino = inode.ino
+            self.inodes.attach(inode, self.cache.files.get(entry.manifest.file_id))
         return inode
 
     async def lookup(self, parent: int, name: str) -> Attr:
-        path = self.inodes.child_path(parent, name)
-        entry = await self._entry(path)
-        inode = self._bind(parent, name, entry)
-        inode.nlookup += 1
-        return self._attr(inode, entry)
+        # No rename or unlink between reading the name and binding it: an
+        # entry read before a rename, bound after it, would give the old
+        # file's identity to the name (and take it from the renamed inode).
+        async with self.ns_lock.reading():
+            path = self.inodes.child_path(parent, name)
+            entry = await self._entry(path)
+            inode = self._bind(parent, name, entry)
+            inode.nlookup += 1
+            return self._attr(inode, entry)
 
     async def getattr(self, ino: int) -> Attr:
         inode = self._inode(ino)
@@ -241,7 +243,7 @@ class FileSystem:
         """The cache forgot ``f``: the next open reloads it from its manifest."""
         inode = self.inodes.get(f.ino) if f.ino is not None else None
         if inode is not None and inode.file is f:
-            inode.file = None
+            self.inodes.attach(inode, None)
 
     def forget(self, ino: int, count: int) -> None:
         self.inodes.forget(ino, count)
@@ -325,11 +327,13 @@ class FileSystem:
         log.debug("deleted %s", path)
 
     def _removed(self, parent: int, name: str, entry: Entry) -> None:
-        """A name went away: its file's bytes live on only for open handles."""
-        inode = self.inodes.detach(parent, name)
+        """A name went away: its file's bytes live on only for open handles
+        and for the kernel's inode (see fs/inodes.py)."""
+        inode = self.inodes.child(parent, name)
         f = inode.file if inode is not None else None
         if f is None and entry.manifest is not None:
             f = self.cache.files.get(entry.manifest.file_id)
+        self.inodes.detach(parent, name)
         if f is not None and (entry.manifest is None or f.file_id == entry.manifest.file_id):
             self._retry.discard(f)
             self.cache.unlink(f)
@@ -407,7 +411,7 @@ class FileSystem:
             self.cache.drop(f)
             raise
         inode = self._bind(parent, name, entry)
-        inode.file, f.ino = f, inode.ino
+        self.inodes.attach(inode, f)
         inode.kernel_version = f.version
         inode.nlookup += 1
         fh = self._open_handle(inode, f, writable=True, caller=caller)
@@ -485,17 +489,27 @@ class FileSystem:
             return f  # the lookup just before this open read the manifest
         if inode.unlinked:
             raise FsError(errno.ENOENT)
-        path = self.inodes.path(inode.ino)
-        entry = await self._entry(path)
-        self._checked(inode, entry)
-        if entry.kind == "plain":
-            return await self._adopt_plain(inode, path, entry, writable, truncate)
-        m = entry.manifest
-        if m is None:
-            raise FsError(errno.EISDIR)
-        f = self.cache.load(m, path, entry.st.st_uid, entry.st.st_gid)
-        inode.file, f.ino = f, inode.ino
-        return f
+        async with self.ns_lock.reading():  # the path keeps naming this inode
+            path = self.inodes.path(inode.ino)
+            entry = await self._entry(path)
+            if entry.ident != inode.ident:
+                # Another file is at the name now (replaced by another node,
+                # or by a rename this inode did not see): the kernel's page
+                # cache of this inode holds the old file's bytes, so the new
+                # file must come with a new inode. ESTALE makes the kernel
+                # look the name up again and retry the open.
+                raise FsError(errno.ESTALE, f"{path}: replaced since it was looked up")
+            self._checked(inode, entry)
+            m = entry.manifest
+            if entry.kind != "plain":
+                if m is None:
+                    raise FsError(errno.EISDIR)
+                f = self.cache.load(m, path, entry.st.st_uid, entry.st.st_gid)
+                self.inodes.attach(inode, f)
+                return f
+        # Not under the lock: the copy may wait for memory, that is for the
+        # flusher, whose publishes wait for a rename queued behind this.
+        return await self._adopt_plain(inode, path, entry, writable, truncate)
 
     async def _adopt_plain(
         self, inode: Inode, path: str, entry: Entry, writable: bool, truncate: bool
@@ -523,7 +537,8 @@ class FileSystem:
                 f.writers -= 1
         f.mtime_ns, f.atime_ns = st.st_mtime_ns, st.st_atime_ns
         f.replaces_plain = True  # the plain file stays until the first publish
-        inode.kind, inode.file, f.ino = "file", f, inode.ino
+        inode.kind = "file"
+        self.inodes.attach(inode, f)
         inode.ident = ("file", f.file_id)
         return f
 
@@ -582,7 +597,7 @@ class FileSystem:
                 if handle.writable and not f.writers and f.modified:
                     await self.commit(f)
             finally:
-                self.cache.handle_closed(f)
+                self.cache.let_go(f)
         if not handle.inode.nlookup and not handle.inode.opens:
             self.forget(handle.inode.ino, 0)
 

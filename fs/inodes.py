@@ -5,10 +5,20 @@ there (a manifest's file id, else the backing st_ino), so a name replaced by
 another node gets a new inode. Numbers are never reused within a mount.
 Paths are computed by walking parents, so a directory rename moves its whole
 subtree at once.
+
+An inode whose name was removed through this mount (an unlink, a rename over
+it) keeps the cached file it reads for as long as the kernel knows it, not
+only while it is open: a path walk that resolved the name just before opens
+that inode afterwards, and must get the old bytes, as on any POSIX
+filesystem. So an unlinked file's content goes only when its last handle is
+closed *and* the kernel has forgotten its orphaned inodes, which it does as
+soon as nothing uses them. An inode still bound to a name does not keep a
+file: its next open reads the name again.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,7 +55,9 @@ class Inode:
 
 
 class InodeTable:
-    def __init__(self) -> None:
+    def __init__(self, let_go: Callable[[CachedFile], None] = lambda f: None) -> None:
+        # Called when a file loses an orphaned inode (it may be dropped now).
+        self._let_go = let_go
         self._next = ROOT + 1
         self.by_ino: dict[int, Inode] = {ROOT: Inode(ROOT, ROOT, "", "dir", ("root", 0), 1)}
         self.by_name: dict[tuple[int, str], int] = {}
@@ -85,13 +97,29 @@ class InodeTable:
         self.by_name[(parent, name)] = inode.ino
         return inode
 
+    def attach(self, inode: Inode, f: CachedFile | None) -> None:
+        """Make ``inode`` read ``f`` (None: nothing)."""
+        old = inode.file
+        if old is f:
+            return
+        inode.file = f
+        if f is not None:
+            f.ino = inode.ino
+            f.orphan_inodes += inode.unlinked
+        if old is not None and inode.unlinked:
+            old.orphan_inodes -= 1
+            self._let_go(old)
+
     def detach(self, parent: int, name: str) -> Inode | None:
         """Remove a name (unlink, rmdir, replaced); the inode lives on while referenced."""
         ino = self.by_name.pop((parent, name), None)
         if ino is None:
             return None
         inode = self.by_ino[ino]
-        inode.unlinked = True
+        if not inode.unlinked:
+            inode.unlinked = True
+            if inode.file is not None:
+                inode.file.orphan_inodes += 1  # kept for the kernel's last uses
         self._maybe_free(inode)
         return inode
 
@@ -116,6 +144,7 @@ class InodeTable:
         self.by_ino.pop(inode.ino, None)
         if self.by_name.get((inode.parent, inode.name)) == inode.ino:
             del self.by_name[(inode.parent, inode.name)]
+        self.attach(inode, None)
         return True
 
     def _has_children(self, ino: int) -> bool:

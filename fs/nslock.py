@@ -5,7 +5,9 @@ Writing a manifest at a path (a create, a publish) only needs that path to
 keep its meaning and no other writer at the same path, so such writes take
 the lock shared plus a per-path lock. Without this, every create and every
 close on a mount waited for each other's backing-store round trip, and a
-directory of small files was written one manifest at a time.
+directory of small files was written one manifest at a time. A lookup, which
+reads a name and binds it to an inode, takes the lock shared too (without a
+path lock), so that a rename cannot fall between its read and its bind.
 """
 
 from __future__ import annotations
@@ -41,26 +43,35 @@ class NamespaceLock:
                 self._reopened = trio.Event()
 
     @asynccontextmanager
-    async def shared(self, path_of: Callable[[], str]) -> AsyncIterator[str]:
-        """Yields the path, read once no rename can run any more."""
+    async def reading(self) -> AsyncIterator[None]:
+        """No rename or unlink runs until this ends (a lookup reading a name
+        and binding it to an inode). Must not wait for a publish inside."""
         while self._closed:
             await self._reopened.wait()
         self._sharers += 1
-        path = path_of()
-        lock, users = self._paths.get(path, (None, 0))
-        if lock is None:
-            lock = trio.Lock()
-        self._paths[path] = (lock, users + 1)
         try:
-            async with lock:
-                yield path
+            yield
         finally:
-            lock, users = self._paths[path]
-            if users == 1:
-                del self._paths[path]
-            else:
-                self._paths[path] = (lock, users - 1)
             self._sharers -= 1
             if not self._sharers:
                 self._idle.set()
                 self._idle = trio.Event()
+
+    @asynccontextmanager
+    async def shared(self, path_of: Callable[[], str]) -> AsyncIterator[str]:
+        """Yields the path, read once no rename can run any more."""
+        async with self.reading():
+            path = path_of()
+            lock, users = self._paths.get(path, (None, 0))
+            if lock is None:
+                lock = trio.Lock()
+            self._paths[path] = (lock, users + 1)
+            try:
+                async with lock:
+                    yield path
+            finally:
+                lock, users = self._paths[path]
+                if users == 1:
+                    del self._paths[path]
+                else:
+                    self._paths[path] = (lock, users - 1)

@@ -352,6 +352,18 @@ def audit(core: Core) -> list[str]:
                     problems.append(f"{f.path}: clean page {p} differs from its durable chunks")
     if dirty_total != cache.dirty_pages:
         problems.append(f"dirty page total {cache.dirty_pages}, pages say {dirty_total}")
+    # An unlinked file is kept exactly while a handle or an orphaned inode can read it.
+    orphans: dict[int, int] = {}
+    for inode in core.fs.inodes.by_ino.values():
+        if inode.file is not None and inode.unlinked:
+            orphans[id(inode.file)] = orphans.get(id(inode.file), 0) + 1
+    for f in cache.all_files():
+        if f.orphan_inodes != orphans.get(id(f), 0):
+            problems.append(
+                f"{f.path}: counts {f.orphan_inodes} orphaned inodes, {orphans.get(id(f), 0)} exist"
+            )
+        if f.unlinked and not f.handles and not f.orphan_inodes:
+            problems.append(f"{f.path}: unlinked and unreferenced, but still held")
     for frame in cache.frames.frames.values():
         for slot in frame.slots:
             if slot in slots:

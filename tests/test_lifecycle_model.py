@@ -9,6 +9,12 @@ at any await, eviction, and daemon restarts (a clean one after draining, and
 a crash that recovers from the journal). The cache is small, so backpressure,
 spilling and eviction happen all the time.
 
+The kernel's side of inodes is modelled too: every lookup is counted and
+forgotten (FORGET) once the inode has no name, handle or path walk left; a
+path walk resolves a name and opens the inode later, after any of the other
+steps (an unlink or a rename over the name included): it must read the bytes
+of the file it resolved, as on any POSIX filesystem.
+
 After every step:
 - every name reads back exactly its reference bytes (or EIO if, after a
   crash, its last version was legitimately lost);
@@ -74,6 +80,14 @@ class OpenHandle:
     writable: bool
 
 
+@dataclass(eq=False)
+class Walk:
+    """A path walk that resolved a name to an inode and has not opened it yet."""
+
+    ino: int
+    ref: RefFile
+
+
 class LifecycleModel(RuleBasedStateMachine):
     @initialize()
     def setup(self) -> None:
@@ -84,6 +98,13 @@ class LifecycleModel(RuleBasedStateMachine):
         self.names: dict[str, RefFile] = {}
         self.handles: list[OpenHandle] = []
         self.versions: dict[tuple[str, str], bytes] = {}
+        self._kernel_reset()
+
+    def _kernel_reset(self) -> None:
+        """A new FUSE session: the kernel knows no inodes."""
+        self.lookups: dict[int, int] = {}  # inode -> lookups not yet forgotten
+        self.ino_of: dict[str, int] = {}  # name -> the inode the kernel has for it
+        self.walks: list[Walk] = []
 
     def teardown(self) -> None:
         if hasattr(self, "h"):
@@ -104,7 +125,24 @@ class LifecycleModel(RuleBasedStateMachine):
             assert self.versions[(f.file_id, f.version)] == bytes(ref.data)
 
     def _lookup(self, name: str) -> int:
-        return self.h.call(self.fs.lookup, ROOT, name).ino
+        ino = self.h.call(self.fs.lookup, ROOT, name).ino
+        self._looked_up(name, ino)
+        return ino
+
+    def _looked_up(self, name: str, ino: int) -> None:
+        self.lookups[ino] = self.lookups.get(ino, 0) + 1
+        self.ino_of[name] = ino
+
+    def _kernel_forgets(self) -> None:
+        """FORGET every inode with no name, open handle or path walk left."""
+        held = set(self.ino_of.values())
+        held |= {h.ino for h in self.handles} | {w.ino for w in self.walks}
+        for ino in [i for i in self.lookups if i not in held]:
+            count = self.lookups.pop(ino)
+            self.h.direct(self._forget, ino, count)
+
+    async def _forget(self, ino: int, count: int) -> None:
+        self.fs.forget(ino, count)
 
     def _read_all(self, name: str) -> bytes:
         ino = self._lookup(name)
@@ -136,6 +174,7 @@ class LifecycleModel(RuleBasedStateMachine):
             self.versions[(self.fs.handles[fh].file.file_id, self.fs.handles[fh].file.version)] = (
                 b""
             )
+            self._looked_up(name, attr.ino)
             self.handles.append(OpenHandle(fh, attr.ino, ref, True))
             return
         ino = self._lookup(name)
@@ -207,6 +246,7 @@ class LifecycleModel(RuleBasedStateMachine):
         if h.writable:
             self._record_version(h.ino, h.ref)
         self.h.call(self.fs.release, h.fh)
+        self._kernel_forgets()
 
     @rule(name=NAMES, sched=SCHED)
     def unlink(self, name: str, sched: list[int]) -> None:
@@ -215,6 +255,8 @@ class LifecycleModel(RuleBasedStateMachine):
             return
         self.h.call(self.fs.unlink, ROOT, name, schedule=sched)
         del self.names[name]
+        self.ino_of.pop(name, None)
+        self._kernel_forgets()
 
     @rule(a=NAMES, b=NAMES, sched=SCHED)
     def rename(self, a: str, b: str, sched: list[int]) -> None:
@@ -223,6 +265,10 @@ class LifecycleModel(RuleBasedStateMachine):
             return
         self.h.call(self.fs.rename, ROOT, a, ROOT, b, 0, schedule=sched)
         self.names[b] = self.names.pop(a)
+        self.ino_of.pop(b, None)
+        if a in self.ino_of:
+            self.ino_of[b] = self.ino_of.pop(a)
+        self._kernel_forgets()
 
     @rule(steps=st.integers(1, 12))
     def background(self, steps: int) -> None:
@@ -271,6 +317,7 @@ class LifecycleModel(RuleBasedStateMachine):
             self.h.call(self.fs.flush, fh, schedule=sched)
             self._record_version(ino, ref)
             self.h.call(self.fs.release, fh)
+            self._kernel_forgets()
 
     def _held_save(
         self, name: str, mode: str, writes: list[tuple[int, int, int]], sched: list[int], keep: bool
@@ -284,6 +331,7 @@ class LifecycleModel(RuleBasedStateMachine):
             f = self.fs.handles[fh].file
             self.versions[(f.file_id, f.version)] = b""
             ino = attr.ino
+            self._looked_up(name, ino)
         else:
             ino = self._lookup(name)
             flags = os.O_WRONLY | os.O_TRUNC if mode == "w" else os.O_RDWR
@@ -299,6 +347,7 @@ class LifecycleModel(RuleBasedStateMachine):
         self.h.call(self.fs.flush, fh, schedule=sched)
         self._record_version(ino, ref)
         self.h.call(self.fs.release, fh)
+        self._kernel_forgets()
 
     def _write(self, h: OpenHandle, off: int, size: int, seed: int, sched: list[int]) -> None:
         payload = blob(seed, size)
@@ -306,6 +355,39 @@ class LifecycleModel(RuleBasedStateMachine):
         if off > len(h.ref.data):
             h.ref.data += bytes(off - len(h.ref.data))
         h.ref.data[off : off + size] = payload
+
+    @precondition(lambda self: len(self.walks) < 3)
+    @rule(name=NAMES)
+    def walk(self, name: str) -> None:
+        """A path walk (open, stat, torch.load) resolves a name to its inode."""
+        STEPS["count"] += 1
+        ref = self.names.get(name)
+        if ref is None:
+            return
+        self.walks.append(Walk(self._lookup(name), ref))
+
+    @precondition(lambda self: bool(self.walks))
+    @rule(data=st.data(), sched=SCHED)
+    def open_walked(self, data: st.DataObject, sched: list[int]) -> None:
+        """The walk opens the inode it resolved, whatever happened to the name
+        since (rewritten, unlinked, renamed over): the bytes of that file."""
+        STEPS["count"] += 1
+        w = data.draw(st.sampled_from(self.walks))
+        self.walks.remove(w)
+        try:
+            fh, _ = self.h.call(self.fs.open, w.ino, os.O_RDONLY, ROOT_CALLER, schedule=sched)
+            try:
+                out = bytearray()
+                while piece := self.h.call(self.fs.read, fh, len(out), 3 * PS + 11):
+                    out += piece
+            finally:
+                self.h.call(self.fs.release, fh)
+        except OSError as exc:
+            assert w.ref.lost and errno_of(exc) == errno.EIO, exc
+        else:
+            assert not w.ref.lost
+            assert bytes(out) == bytes(w.ref.data), "a walked inode read other bytes"
+        self._kernel_forgets()
 
     @rule(label=LABELS)
     def background_until(self, label: str) -> None:
@@ -342,6 +424,7 @@ class LifecycleModel(RuleBasedStateMachine):
         assert result["ok"], result
         assert self.h.core.all_durable()
         self.h.stop_clean()
+        self._kernel_reset()
         self.h.start()
         for name, ref in self.names.items():
             if ref.lost:
@@ -362,6 +445,7 @@ class LifecycleModel(RuleBasedStateMachine):
         }
         self.handles.clear()
         self.h.crash()
+        self._kernel_reset()
         self.h.start()
         manifests = self.h.manifests()
         for name, ref in self.names.items():

@@ -1,0 +1,223 @@
+"""Names changing under a path walk: the bytes a resolved inode reads.
+
+The kernel resolves a path to an inode (LOOKUP) and opens it afterwards; an
+unlink or a rename over the name can fall in between, from this process or
+another. On any POSIX filesystem the open then gets the file the walk
+resolved. ckptfs used to drop an unlinked file's bytes as soon as no handle
+was open, so such an open read zeros (or, through the kernel's page cache,
+a mix of the old bytes and zeros): ``torch.load`` of a checkpoint being
+replaced by ``os.replace`` returned wrong tensors about once in a thousand
+loads (tests/test_frameworks_replace.py, in CI).
+
+These drive the filesystem without FUSE (lifecycle_harness.py), the kernel's
+part played by the test; the last test checks on a real mount that the
+kernel does forget a removed file's inode, so its memory is not held.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+from ckptfs.fs.filesystem import Caller
+from ckptfs.fs.inodes import ROOT
+from ckptfs.fs.state import FileState
+from lifecycle_harness import Harness, audit
+
+CALLER = Caller(0, 0)
+SIZE = 5 * 4096 + 17  # pages of the harness's 4 KiB slots, the last one partial
+
+
+@pytest.fixture
+def h(tmp_path: Path):
+    harness = Harness(tmp_path)
+    harness.start()
+    yield harness
+    harness.close()
+
+
+def save(h: Harness, name: str, data: bytes) -> int:
+    """torch.save: create, write, close. Returns the inode (one lookup held)."""
+    fs = h.core.fs
+    fh, attr = h.call(fs.create, ROOT, name, 0o644, os.O_WRONLY, CALLER)
+    h.call(fs.write, fh, 0, data)
+    h.call(fs.flush, fh)
+    h.call(fs.release, fh)
+    return attr.ino
+
+
+def read_inode(h: Harness, ino: int) -> bytes:
+    fs = h.core.fs
+    fh, _ = h.call(fs.open, ino, os.O_RDONLY, CALLER)
+    try:
+        out = bytearray()
+        while piece := h.call(fs.read, fh, len(out), 5000):
+            out += piece
+        return bytes(out)
+    finally:
+        h.call(fs.release, fh)
+
+
+def forget(h: Harness, ino: int) -> None:
+    async def run() -> None:
+        inode = h.core.fs.inodes.get(ino)
+        h.core.fs.forget(ino, inode.nlookup if inode is not None else 0)
+
+    h.direct(run)
+
+
+def held(h: Harness, file_id: str) -> bool:
+    return any(f.file_id == file_id for f in h.core.cache.all_files())
+
+
+def consistent(h: Harness) -> None:
+    async def run() -> list[str]:
+        return audit(h.core)
+
+    assert h.direct(run) == []
+
+
+@pytest.mark.parametrize("before", ["pending", "durable", "durable-evicted"])
+def test_an_inode_resolved_before_a_replace_opens_the_old_bytes(h: Harness, before: str) -> None:
+    old, new = random.randbytes(SIZE), random.randbytes(SIZE)
+    first = save(h, "model.pt", old)
+    if before != "pending":
+        h.direct(h.background_steps, 100)
+        assert h.core.fs.inodes[first].file.state is FileState.DURABLE
+    if before == "durable-evicted":
+        h.core.evict("")
+    ino = h.call(h.core.fs.lookup, ROOT, "model.pt").ino  # the walk resolved the name
+    old_id = h.core.fs.inodes[ino].file.file_id
+    save(h, "model.pt.tmp", new)
+    h.call(h.core.fs.rename, ROOT, "model.pt.tmp", ROOT, "model.pt", 0)
+    h.direct(h.background_steps, 100)  # the new version flushed meanwhile
+    consistent(h)
+    assert read_inode(h, ino) == old  # then the walk opens it
+    assert held(h, old_id)  # the kernel has not forgotten the inode yet
+    forget(h, ino)
+    assert not held(h, old_id), "a forgotten, unlinked file still holds memory"
+    consistent(h)
+    new_ino = h.call(h.core.fs.lookup, ROOT, "model.pt").ino
+    assert new_ino != ino
+    assert read_inode(h, new_ino) == new
+
+
+def test_an_unlinked_file_lives_until_its_last_handle_and_inode(h: Harness) -> None:
+    data = random.randbytes(SIZE)
+    ino = save(h, "a", data)
+    fs = h.core.fs
+    file_id = fs.inodes[ino].file.file_id
+    fh, _ = h.call(fs.open, ino, os.O_RDONLY, CALLER)
+    h.call(fs.unlink, ROOT, "a")
+    h.call(fs.release, fh)
+    assert held(h, file_id)  # the kernel still knows the inode
+    assert read_inode(h, ino) == data
+    forget(h, ino)
+    assert not held(h, file_id)
+    h.direct(h.background_steps, 100)  # a flush that had pinned its slots gives up
+    assert h.core.cache.arena.used_slots == 0
+    consistent(h)
+
+
+def test_a_lookup_racing_a_rename_binds_what_the_name_is(h: Harness) -> None:
+    """A LOOKUP (the kernel revalidating a cached name) reads the name just
+    before a rename over it and binds the result just after: it must not
+    give the name the replaced file's identity, nor take it from the file
+    renamed there."""
+    old, new = random.randbytes(SIZE), random.randbytes(SIZE)
+    save(h, "model.pt", old)
+    save(h, "model.pt.tmp", new)
+    h.direct(h.background_steps, 100)
+    fs = h.core.fs
+    real_entry = fs.backing.entry
+    read_done, go_on = trio.Event(), trio.Event()
+    results: dict[str, object] = {}
+
+    async def held_entry(path: str):  # noqa: ANN202 - the backing store's Entry
+        entry = await real_entry(path)
+        if trio.lowlevel.current_task().name.endswith("walk"):
+            read_done.set()
+            await go_on.wait()
+        return entry
+
+    async def race() -> None:
+        async def walk() -> None:
+            results["walk"] = await fs.lookup(ROOT, "model.pt")
+
+        async def replace() -> None:
+            await fs.rename(ROOT, "model.pt.tmp", ROOT, "model.pt", 0)
+            results["renamed"] = time.monotonic()
+
+        h.gate.grant("fg", 10_000)
+        h.gate.grant("bg", 10_000)
+        fs.backing.entry = held_entry
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(walk, name="walk")
+                with trio.fail_after(10):
+                    await read_done.wait()
+                nursery.start_soon(replace, name="replace")
+                await trio.testing.wait_all_tasks_blocked(cushion=0.01)
+                results["renamed_while_walking"] = "renamed" in results
+                go_on.set()
+        finally:
+            fs.backing.entry = real_entry
+
+    h.direct(race)
+    assert not results["renamed_while_walking"], "the rename ran between the walk's read and bind"
+    walked = results["walk"].ino
+    # The walk saw the name before the rename: the old file, still readable.
+    assert read_inode(h, walked) == old
+    bound = fs.inodes.child(ROOT, "model.pt")
+    assert bound is not None and bound.ino != walked
+    assert bound.ident == ("file", bound.file.file_id) and read_inode(h, bound.ino) == new
+    forget(h, walked)
+    consistent(h)
+
+
+def test_an_inode_whose_name_another_node_replaced_is_stale(h: Harness) -> None:
+    """Another node renames over the name (here: the same rename in the
+    shared backing directory). The inode the kernel still has for the name
+    holds the old file's pages in its page cache, so opening it must not
+    read the new file: ESTALE, on which the kernel looks the name up again."""
+    old, new = random.randbytes(SIZE), random.randbytes(SIZE)
+    ino = save(h, "model.pt", old)
+    save(h, "other", new)
+    h.direct(h.background_steps, 100)
+    os.rename(h.backing / "other", h.backing / "model.pt")
+    time.sleep(h.config.open_recheck + 0.05)  # the open looks at the name again
+    with pytest.raises(OSError) as exc:
+        h.call(h.core.fs.open, ino, os.O_RDONLY, CALLER)
+    assert exc.value.errno == errno.ESTALE
+    again = h.call(h.core.fs.lookup, ROOT, "model.pt").ino
+    assert again != ino
+    assert read_inode(h, again) == new
+
+
+def test_the_kernel_forgets_a_removed_file_so_its_memory_goes(mounted) -> None:
+    """On a real mount: bytes kept for the kernel's inode are released once
+    the file is unlinked (or replaced) and nothing has it open."""
+    p = mounted.mnt / "model.pt"
+    p.write_bytes(os.urandom(8 << 20))
+    reader = open(p, "rb")
+    tmp = mounted.mnt / "model.pt.tmp"
+    tmp.write_bytes(os.urandom(8 << 20))
+    os.replace(tmp, p)
+    assert mounted.stat()["cache"]["used"] >= 16 << 20  # the reader's file lives on
+    reader.close()
+    wait_used(mounted, 8 << 20)
+    os.unlink(p)
+    wait_used(mounted, 0)
+
+
+def wait_used(m, limit: int, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while (used := m.stat()["cache"]["used"]) > limit:
+        assert time.monotonic() < deadline, f"cache still holds {used} bytes, expected <= {limit}"
+        time.sleep(0.1)

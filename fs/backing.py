@@ -446,9 +446,16 @@ class Backing:
 
         await self.io.run(utime, what=f"utime {rel}")
 
-    async def open_plain(self, rel: str) -> int:
+    async def open_plain(self, rel: str, expect_ino: object = None) -> int:
+        """A read-only fd of the plain file at ``rel``; with ``expect_ino``,
+        ESTALE if another file is there now (a manifest written at its name)."""
+
         def open_() -> int:
-            return os.open(rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.root_fd)
+            fd = os.open(rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.root_fd)
+            if expect_ino is not None and os.fstat(fd).st_ino != expect_ino:
+                os.close(fd)
+                raise OSError(errno.ESTALE, f"{rel}: another file is at its name now")
+            return fd
 
         return await self.io.run(open_, what=f"open {rel}", late=_close_quietly)
 

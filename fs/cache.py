@@ -304,7 +304,10 @@ class Cache:
         idle = [
             f
             for f in self.files.values()
-            if f.state is FileState.DURABLE and not f.handles and not f.ram_count
+            if f.state is FileState.DURABLE
+            and not f.handles
+            and not f.orphan_inodes
+            and not f.ram_count
         ]
         excess = len(idle) - MAX_IDLE_FILES
         if excess <= 0:

@@ -23,7 +23,7 @@ import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import trio
 
@@ -51,6 +51,9 @@ DIR_ATTR_REUSE = 0.5
 # 1 MiB from the page cache each time (docs/PERFORMANCE.md).
 WRITE_BLKSIZE = 1 << 20
 READ_BLKSIZE = 4096
+# Reads of a name that a rename overlapped before a lookup waits for a gap.
+RESOLVE_TRIES = 3
+T = TypeVar("T")
 
 
 class FsError(OSError):
@@ -199,16 +202,26 @@ class FileSystem:
             self.inodes.attach(inode, self.cache.files.get(entry.manifest.file_id))
         return inode
 
+    async def _resolved(self, path_of: Callable[[], str], bind: Callable[[Entry], T]) -> T:
+        """``bind(entry)`` for the backing entry at ``path_of()``, with no
+        rename or unlink in between: an entry read before a rename and bound
+        after it would give the old file's identity to the name (and take it
+        from the inode renamed there)."""
+        for _ in range(RESOLVE_TRIES):
+            generation = self.ns_lock.generation
+            entry = await self._entry(path_of())
+            if self.ns_lock.stable_since(generation):
+                return bind(entry)
+        async with self.ns_lock.reading():  # renames keep coming: wait for a gap
+            return bind(await self._entry(path_of()))
+
     async def lookup(self, parent: int, name: str) -> Attr:
-        # No rename or unlink between reading the name and binding it: an
-        # entry read before a rename, bound after it, would give the old
-        # file's identity to the name (and take it from the renamed inode).
-        async with self.ns_lock.reading():
-            path = self.inodes.child_path(parent, name)
-            entry = await self._entry(path)
+        def bind(entry: Entry) -> Attr:
             inode = self._bind(parent, name, entry)
             inode.nlookup += 1
             return self._attr(inode, entry)
+
+        return await self._resolved(lambda: self.inodes.child_path(parent, name), bind)
 
     async def getattr(self, ino: int) -> Attr:
         inode = self._inode(ino)
@@ -333,6 +346,20 @@ class FileSystem:
         f = inode.file if inode is not None else None
         if f is None and entry.manifest is not None:
             f = self.cache.files.get(entry.manifest.file_id)
+            if (
+                f is None
+                and inode is not None
+                and inode.nlookup
+                and entry.manifest.state == "durable"
+            ):
+                # The kernel knows the inode but it never loaded its file: a
+                # path walk may still open it, so it gets the file to read.
+                # (One pending elsewhere is not loaded here: that open gets
+                # ESTALE and looks the name up again.)
+                path = self.inodes.child_path(parent, name)
+                f = self.cache.load(entry.manifest, path, entry.st.st_uid, entry.st.st_gid)
+        if f is not None and inode is not None and inode.file is None:
+            self.inodes.attach(inode, f)
         self.inodes.detach(parent, name)
         if f is not None and (entry.manifest is None or f.file_id == entry.manifest.file_id):
             self._retry.discard(f)
@@ -437,7 +464,8 @@ class FileSystem:
         inode = self._inode(ino)
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         if inode.kind == "plain" and not writable:
-            fd = await self.backing.open_plain(self.inodes.path(ino))
+            # The same plain file (not a manifest written at its name since).
+            fd = await self.backing.open_plain(self.inodes.path(ino), inode.ident[1])
             fh = self._open_handle(inode, None, writable=False, caller=caller)
             self.handles[fh].plain_fd = fd
             return fh, False
@@ -475,6 +503,10 @@ class FileSystem:
     async def _file_for(self, inode: Inode, writable: bool, truncate: bool = False) -> CachedFile:
         """The cached file behind an inode, (re)loaded from its manifest if needed."""
         f = inode.file
+        if f is not None and f.unlinked and not inode.unlinked:
+            # Retired while the inode still has its name (the name vanished
+            # or changed on another node): what is at the name counts.
+            f = None
         if f is not None and (inode.unlinked or f.writers or f.modified):
             # Being written or changed here: our copy is the current one. A
             # file only open for reading here may have been rewritten on
@@ -488,28 +520,33 @@ class FileSystem:
         ):
             return f  # the lookup just before this open read the manifest
         if inode.unlinked:
-            raise FsError(errno.ENOENT)
-        async with self.ns_lock.reading():  # the path keeps naming this inode
-            path = self.inodes.path(inode.ino)
-            entry = await self._entry(path)
+            raise FsError(errno.ESTALE, "its name was removed")  # the kernel looks up again
+
+        def bind(entry: Entry) -> CachedFile | Entry:
+            if inode.unlinked:  # removed or renamed over meanwhile
+                if inode.file is None:
+                    raise FsError(errno.ESTALE, "its name was removed")
+                return inode.file  # kept for this inode (see fs/inodes.py)
             if entry.ident != inode.ident:
-                # Another file is at the name now (replaced by another node,
-                # or by a rename this inode did not see): the kernel's page
-                # cache of this inode holds the old file's bytes, so the new
-                # file must come with a new inode. ESTALE makes the kernel
-                # look the name up again and retry the open.
-                raise FsError(errno.ESTALE, f"{path}: replaced since it was looked up")
+                # Another file is at the name now (replaced by another node):
+                # the kernel's page cache of this inode holds the old file's
+                # bytes, so the new file must come with a new inode. ESTALE
+                # makes the kernel look the name up again and retry.
+                raise FsError(errno.ESTALE, "replaced since it was looked up")
             self._checked(inode, entry)
-            m = entry.manifest
-            if entry.kind != "plain":
-                if m is None:
-                    raise FsError(errno.EISDIR)
-                f = self.cache.load(m, path, entry.st.st_uid, entry.st.st_gid)
-                self.inodes.attach(inode, f)
-                return f
-        # Not under the lock: the copy may wait for memory, that is for the
-        # flusher, whose publishes wait for a rename queued behind this.
-        return await self._adopt_plain(inode, path, entry, writable, truncate)
+            if entry.kind == "plain":
+                return entry
+            if entry.manifest is None:
+                raise FsError(errno.EISDIR)
+            path = self.inodes.path(inode.ino)
+            loaded = self.cache.load(entry.manifest, path, entry.st.st_uid, entry.st.st_gid)
+            self.inodes.attach(inode, loaded)
+            return loaded
+
+        got = await self._resolved(lambda: self.inodes.path(inode.ino), bind)
+        if isinstance(got, CachedFile):
+            return got
+        return await self._adopt_plain(inode, self.inodes.path(inode.ino), got, writable, truncate)
 
     async def _adopt_plain(
         self, inode: Inode, path: str, entry: Entry, writable: bool, truncate: bool
@@ -535,6 +572,9 @@ class FileSystem:
                 raise
             finally:
                 f.writers -= 1
+        if inode.unlinked:  # removed or renamed over while it was copied
+            self.cache.drop(f)
+            raise FsError(errno.ESTALE, f"{path}: its name was removed")
         f.mtime_ns, f.atime_ns = st.st_mtime_ns, st.st_atime_ns
         f.replaces_plain = True  # the plain file stays until the first publish
         inode.kind = "file"

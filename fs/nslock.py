@@ -5,9 +5,13 @@ Writing a manifest at a path (a create, a publish) only needs that path to
 keep its meaning and no other writer at the same path, so such writes take
 the lock shared plus a per-path lock. Without this, every create and every
 close on a mount waited for each other's backing-store round trip, and a
-directory of small files was written one manifest at a time. A lookup, which
-reads a name and binds it to an inode, takes the lock shared too (without a
-path lock), so that a rename cannot fall between its read and its bind.
+directory of small files was written one manifest at a time.
+
+A lookup reads a name and binds it to an inode; a rename must not fall
+between the two. Lookups do not take the lock (they would wait behind every
+publish a queued rename waits for): they read ``generation`` before their
+read and bind only if it is unchanged after it (``stable_since``), else read
+again; after a few tries they take it shared (``reading``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ class NamespaceLock:
         self._sharers = 0
         self._idle = trio.Event()
         self._paths: dict[str, tuple[trio.Lock, int]] = {}
+        # Odd while an exclusive holder changes the namespace; bumped as it
+        # starts and as it ends.
+        self.generation = 0
 
     @asynccontextmanager
     async def exclusive(self) -> AsyncIterator[None]:
@@ -36,16 +43,24 @@ class NamespaceLock:
             try:
                 while self._sharers:
                     await self._idle.wait()
-                yield
+                self.generation += 1
+                try:
+                    yield
+                finally:
+                    self.generation += 1
             finally:
                 self._closed = False
                 self._reopened.set()
                 self._reopened = trio.Event()
 
+    def stable_since(self, generation: int) -> bool:
+        """Whether no exclusive holder ran at any time since ``generation`` was read."""
+        return generation % 2 == 0 and self.generation == generation
+
     @asynccontextmanager
     async def reading(self) -> AsyncIterator[None]:
-        """No rename or unlink runs until this ends (a lookup reading a name
-        and binding it to an inode). Must not wait for a publish inside."""
+        """No rename or unlink runs until this ends. Must not wait inside for
+        a publish (it may be queued behind the rename that waits for this)."""
         while self._closed:
             await self._reopened.wait()
         self._sharers += 1

@@ -127,11 +127,11 @@ def test_an_unlinked_file_lives_until_its_last_handle_and_inode(h: Harness) -> N
 
 def test_a_lookup_racing_a_rename_binds_what_the_name_is(h: Harness) -> None:
     """A LOOKUP (the kernel revalidating a cached name) reads the name just
-    before a rename over it and binds the result just after: it must not
+    before a rename over it and would bind the result just after: it must not
     give the name the replaced file's identity, nor take it from the file
-    renamed there."""
+    renamed there. It reads the name again and binds the renamed file."""
     old, new = random.randbytes(SIZE), random.randbytes(SIZE)
-    save(h, "model.pt", old)
+    old_ino = save(h, "model.pt", old)
     save(h, "model.pt.tmp", new)
     h.direct(h.background_steps, 100)
     fs = h.core.fs
@@ -141,7 +141,7 @@ def test_a_lookup_racing_a_rename_binds_what_the_name_is(h: Harness) -> None:
 
     async def held_entry(path: str):  # noqa: ANN202 - the backing store's Entry
         entry = await real_entry(path)
-        if trio.lowlevel.current_task().name.endswith("walk"):
+        if trio.lowlevel.current_task().name.endswith("walk") and not read_done.is_set():
             read_done.set()
             await go_on.wait()
         return entry
@@ -152,7 +152,7 @@ def test_a_lookup_racing_a_rename_binds_what_the_name_is(h: Harness) -> None:
 
         async def replace() -> None:
             await fs.rename(ROOT, "model.pt.tmp", ROOT, "model.pt", 0)
-            results["renamed"] = time.monotonic()
+            results["renamed"] = True
 
         h.gate.grant("fg", 10_000)
         h.gate.grant("bg", 10_000)
@@ -161,24 +161,59 @@ def test_a_lookup_racing_a_rename_binds_what_the_name_is(h: Harness) -> None:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(walk, name="walk")
                 with trio.fail_after(10):
-                    await read_done.wait()
+                    await read_done.wait()  # the walk has read the old file's entry
                 nursery.start_soon(replace, name="replace")
-                await trio.testing.wait_all_tasks_blocked(cushion=0.01)
-                results["renamed_while_walking"] = "renamed" in results
+                with trio.fail_after(10):
+                    while "renamed" not in results:  # lookups never hold up a rename
+                        await trio.sleep(0.001)
                 go_on.set()
         finally:
             fs.backing.entry = real_entry
 
     h.direct(race)
-    assert not results["renamed_while_walking"], "the rename ran between the walk's read and bind"
-    walked = results["walk"].ino
-    # The walk saw the name before the rename: the old file, still readable.
-    assert read_inode(h, walked) == old
     bound = fs.inodes.child(ROOT, "model.pt")
-    assert bound is not None and bound.ino != walked
-    assert bound.ident == ("file", bound.file.file_id) and read_inode(h, bound.ino) == new
-    forget(h, walked)
+    new_id = h.manifests()["model.pt"].file_id
+    assert bound is not None and bound.ident == ("file", new_id)
+    assert results["walk"].ino == bound.ino  # it read the name again after the rename
+    assert read_inode(h, bound.ino) == new
+    assert bound.file.file_id == new_id
+    # The file it replaced is kept for the inode the kernel still has (from its create).
+    assert read_inode(h, old_ino) == old
+    forget(h, old_ino)
     consistent(h)
+
+
+def test_a_name_resolved_after_a_restart_keeps_its_file_for_the_walk(h: Harness) -> None:
+    """After a restart the cache holds no file until one is opened; a walk that
+    resolved the name before a replace still reads the old bytes."""
+    old, new = random.randbytes(SIZE), random.randbytes(SIZE)
+    save(h, "model.pt", old)
+    assert h.call(h.core.drain, "", None)["ok"]
+    h.stop_clean()
+    h.start()
+    ino = h.call(h.core.fs.lookup, ROOT, "model.pt").ino
+    assert h.core.fs.inodes[ino].file is None  # only looked up, never opened
+    save(h, "model.pt.tmp", new)
+    h.call(h.core.fs.rename, ROOT, "model.pt.tmp", ROOT, "model.pt", 0)
+    assert read_inode(h, ino) == old
+    forget(h, ino)
+    consistent(h)
+    assert read_inode(h, h.call(h.core.fs.lookup, ROOT, "model.pt").ino) == new
+
+
+def test_a_plain_file_replaced_behind_its_inode_is_stale(h: Harness) -> None:
+    """A plain file (written to the backing directory directly) opened for
+    reading is read from the backing store: never another file at its name."""
+    first, second = random.randbytes(SIZE), random.randbytes(SIZE)
+    (h.backing / "plain").write_bytes(first)
+    (h.backing / "other").write_bytes(second)
+    ino = h.call(h.core.fs.lookup, ROOT, "plain").ino
+    assert read_inode(h, ino) == first
+    os.rename(h.backing / "other", h.backing / "plain")
+    with pytest.raises(OSError) as exc:
+        h.call(h.core.fs.open, ino, os.O_RDONLY, CALLER)
+    assert exc.value.errno == errno.ESTALE
+    assert read_inode(h, h.call(h.core.fs.lookup, ROOT, "plain").ino) == second
 
 
 def test_an_inode_whose_name_another_node_replaced_is_stale(h: Harness) -> None:

@@ -55,7 +55,7 @@ class Inode:
 
 
 class InodeTable:
-    def __init__(self, let_go: Callable[[CachedFile], None] = lambda f: None) -> None:
+    def __init__(self, let_go: Callable[[CachedFile], None]) -> None:
         # Called when a file loses an orphaned inode (it may be dropped now).
         self._let_go = let_go
         self._next = ROOT + 1

@@ -25,6 +25,12 @@ so the kernel never mistakes one file for another. Blocking calls on file
 contents (read, write, fsync) run in worker threads, so one slow call does
 not hold up every other daemon's requests.
 
+With ``--read-mbps N`` the reads share one link of N MB/s (10^6 bytes per
+second), served in the order they arrive, as the network link to an NFS
+server is shared by the nodes of a cluster: a read's reply leaves once the
+bytes of every read before it and its own have crossed that link. The
+default, 0, is no limit.
+
 ``counting_mount`` (below) runs it for a test and always unmounts and stops it.
 """
 
@@ -53,7 +59,32 @@ log = logging.getLogger("countingfs")
 T = TypeVar("T")
 IO_THREADS = 16
 PUBLISH_INTERVAL = 0.1
+LINK_BURST = 4 << 20  # bytes of idle link time a reader may use at once (--read-mbps)
 CHUNKS = os.path.join(".ckptfs", "chunks") + os.sep
+
+
+class Link:
+    """The store's one read link, shared by all readers, first come first served.
+
+    A token bucket: a read waits until the bytes queued before it and its own
+    have crossed at the link's rate. Up to LINK_BURST bytes of the time it
+    stood idle are credited (a TCP window's worth), so that a timer that
+    wakes a reader late (epoll's millisecond timeouts) does not take
+    bandwidth away from a lone sequential reader.
+    """
+
+    def __init__(self, bytes_per_s: float) -> None:
+        self.bytes_per_s = bytes_per_s
+        self.free_at = 0.0  # when the bytes queued so far have crossed it (trio clock)
+
+    async def carry(self, nbytes: int) -> None:
+        if self.bytes_per_s <= 0:
+            return
+        now = trio.current_time()
+        earliest = now - LINK_BURST / self.bytes_per_s
+        self.free_at = max(self.free_at, earliest) + nbytes / self.bytes_per_s
+        if self.free_at > now:
+            await trio.sleep_until(self.free_at)
 
 
 @dataclass
@@ -97,9 +128,10 @@ def fuse_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 class CountingFS(pyfuse3.Operations):
     supports_dot_lookup = False
 
-    def __init__(self, real: Path) -> None:
+    def __init__(self, real: Path, read_link: Link | None = None) -> None:
         super().__init__()
         self.real = str(real)
+        self.read_link = read_link or Link(0)
         st = os.lstat(self.real)
         self.nodes: dict[int, Node] = {
             pyfuse3.ROOT_INODE: Node("", (st.st_dev, st.st_ino), nlookup=1)
@@ -383,6 +415,7 @@ class CountingFS(pyfuse3.Operations):
     @fuse_errors
     async def read(self, fh: int, off: int, size: int) -> bytes:
         data = await self._io(os.pread, fh, size, off)
+        await self.read_link.carry(len(data))
         c = self.counters
         c.reads += 1
         c.bytes_read += len(data)
@@ -439,8 +472,8 @@ async def publish(fs: CountingFS, path: Path) -> None:
                     break
 
 
-async def run(real: Path, mountpoint: Path, counters: Path) -> None:
-    fs = CountingFS(real)
+async def run(real: Path, mountpoint: Path, counters: Path, read_mbps: float = 0) -> None:
+    fs = CountingFS(real, Link(read_mbps * 1e6))
     options = set(pyfuse3.default_options) | {"fsname=countingfs", "allow_other"}
     options.discard("default_permissions")
     pyfuse3.init(fs, str(mountpoint), options)
@@ -469,9 +502,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("real", type=Path)
     parser.add_argument("mountpoint", type=Path)
     parser.add_argument("--counters", type=Path, required=True)
+    parser.add_argument(
+        "--read-mbps", type=float, default=0, help="the shared read link's MB/s (0: no limit)"
+    )
     args = parser.parse_args(argv)
+    if args.read_mbps < 0:
+        parser.error("--read-mbps must not be negative")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s countingfs: %(message)s")
-    trio.run(run, args.real.resolve(), args.mountpoint.resolve(), args.counters.resolve())
+    trio.run(
+        run,
+        args.real.resolve(),
+        args.mountpoint.resolve(),
+        args.counters.resolve(),
+        args.read_mbps,
+    )
     return 0
 
 

@@ -263,3 +263,44 @@ def test_a_representative_that_dies_mid_restore_is_replaced_by_the_store(counted
     assert any("representative n4 failed" in m.log() for m in readers)
     wait_for(lambda: not peers_of(n1)["n4"]["alive"], 30, "n4 declared dead")
     allow_teardown(readers)
+
+
+def test_the_stand_in_stores_read_link_is_shared_at_its_rate():
+    """countingfs --read-mbps: readers share one link, first come first served;
+    a lone reader whose timer wakes late loses no bandwidth (the bench's
+    store-bound runs rely on both)."""
+    import trio
+    import trio.testing
+    from countingfs import LINK_BURST, Link
+
+    rate = 10e6  # bytes per second
+    block = 1_000_000
+
+    async def main() -> tuple[list[float], float]:
+        link = Link(rate)
+        done: list[float] = []
+
+        async def reader() -> None:
+            for _ in range(5):
+                await link.carry(block)
+            done.append(trio.current_time())
+
+        await trio.sleep(1)  # the link has been idle: a burst's credit, no more
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            nursery.start_soon(reader)
+        # A lone reader that oversleeps each wait by 1 ms still gets the rate.
+        t0 = trio.current_time()
+        for _ in range(20):
+            await link.carry(block)
+            await trio.sleep(0.001)
+        return [d - start for d in done], trio.current_time() - t0
+
+    finished, lone = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    burst_s = LINK_BURST / rate
+    # Ten blocks at 10 MB/s: one second, less the idle credit, for both readers
+    # together (the first gets the credit: first come, first served).
+    assert len(finished) == 2
+    assert max(finished) == pytest.approx(10 * block / rate - burst_s, abs=1e-6)
+    assert lone == pytest.approx(20 * block / rate + 0.001, abs=0.0021)

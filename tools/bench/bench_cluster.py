@@ -2,6 +2,7 @@
 
     python -m ckptfs.tools.bench.bench_cluster [--nodes 4] [--size-mib 512] [--runs 3]
                                                [--workdir DIR] [--cache-size SIZE]
+                                               [--store-mbps N]
 
 Every node is a ckptfs daemon on this machine with its own mountpoint, cache
 and loopback port; all share one backing directory that sits behind the
@@ -17,6 +18,11 @@ cache dropped):
 - single: ``torch.load`` on the solo node;
 - cluster: one ``torch.load`` per node, started together; wall time until the last ends;
 - independent: the same on the solo daemons, each reading the store itself.
+
+--store-mbps gives the store one read link of N MB/s that every daemon's
+reads share (countingfs --read-mbps), as the nodes of a cluster share the
+network link to their NFS server; by default the store is as fast as this
+machine can serve it.
 
 It prints the medians: both times and their ratio, the backing-store bytes read
 per checkpoint size, and the CPU seconds the daemons, the counting store and
@@ -126,7 +132,7 @@ def cpu_seconds(pid: int) -> float:
 class Store:
     """The counting backing mount."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, read_mbps: float) -> None:
         self.real = workdir / "backing-real"
         self.mnt = workdir / "backing"
         self.counters_path = workdir / "backing.counters.json"
@@ -135,7 +141,7 @@ class Store:
         self.log = open(workdir / "countingfs.log", "ab")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
             [sys.executable, str(COUNTINGFS), str(self.real), str(self.mnt),
-             "--counters", str(self.counters_path)],
+             "--counters", str(self.counters_path), "--read-mbps", str(read_mbps)],
             stdout=self.log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         deadline = time.monotonic() + 30
@@ -263,7 +269,7 @@ def bench(args: argparse.Namespace) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     if any(workdir.iterdir()):
         raise BenchError(f"{workdir} is not empty: pick a new --workdir")
-    store = Store(workdir)
+    store = Store(workdir, args.store_mbps)
     peers = [Node(f"n{i + 1}", workdir, free_port()) for i in range(args.nodes)]
     solos = [Node(f"solo{i + 1}", workdir) for i in range(args.nodes)]
     secret = workdir / "secret"
@@ -288,6 +294,8 @@ def bench(args: argparse.Namespace) -> None:
         peers[0].cli("flush", str(peers[0].mnt), "--wait", "--timeout", "600", timeout=660)
         size = (peers[0].mnt / "ckpt.pt").stat().st_size
         print(f"checkpoint: {size / MIB:.0f} MiB, durable; {machine()}")
+        link = f"{args.store_mbps:g} MB/s" if args.store_mbps else "no limit"
+        print(f"store: countingfs over {store.real}, one read link shared by all nodes: {link}")
         # The readers' tensors are fresh memory, which this kind of VM backs at
         # a few hundred MB/s on first touch: touch and free enough for all of
         # them right before each step (benchlib.Rewarm), so that no step pays
@@ -361,9 +369,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-size", default="768MiB", help="per daemon")
     parser.add_argument("--workdir", type=Path, default=Path("/var/tmp/ckptfs-bench-cluster"))
     parser.add_argument("--keep", action="store_true", help="keep the backing files")
+    parser.add_argument(
+        "--store-mbps",
+        type=float,
+        default=0,
+        help="MB/s of the store's read link, shared by all nodes (default 0: no limit)",
+    )
     args = parser.parse_args(argv)
     if args.nodes < 2:
         parser.error("--nodes must be at least 2")
+    if args.store_mbps < 0:
+        parser.error("--store-mbps must not be negative")
     try:
         bench(args)
     except BenchError as exc:

@@ -25,6 +25,7 @@ from .manifest import (
     ParsedManifests,
     fsync_dir,
     is_tmp_name,
+    manifest_from_fd,
     open_dir,
     read_manifest,
     tmp_name,
@@ -140,14 +141,15 @@ def _replace_manifest(
     owner: tuple[int, int],
     file_id: str,
     expect_version: str | None,
-    allow_plain: bool,
+    plain_ino: int | None,
     before: Callable[[], None] | None,
 ) -> Published:
     """Replace the manifest at ``rel`` if it still belongs to ``file_id`` (and,
-    with ``expect_version``, is still that version); ``before`` runs first."""
+    with ``expect_version``, is still that version), or, with ``plain_ino``,
+    if that plain file is still there; ``before`` runs first."""
     try:
         try:
-            current = read_manifest(rel, dir_fd=root)
+            current, ino = _manifest_and_ino(root, rel)
         except FileNotFoundError:
             # A takeover may have moved it aside for an instant (see
             # _takeover_manifest): wait for it before calling the name gone,
@@ -155,7 +157,7 @@ def _replace_manifest(
             if not _wait_for_fence(root, file_id):
                 raise
             try:
-                current = read_manifest(rel, dir_fd=root)
+                current, ino = _manifest_and_ino(root, rel)
             except FileNotFoundError:
                 raise OSError(
                     errno.EBUSY, f"{rel}: a takeover of this file holds its name; try again"
@@ -163,11 +165,10 @@ def _replace_manifest(
     except FileNotFoundError:
         return Published.NAME_GONE
     except ManifestError:
-        current = None  # unreadable: not ours to replace unless we replace a plain file
-        if not allow_plain:
-            return Published.NAME_GONE
-    if current is None and not allow_plain:
-        return Published.NAME_GONE  # a plain file was put at the path
+        # Unreadable: not ours to replace, unless it is the plain file we adopted.
+        current, ino = None, os.stat(rel, dir_fd=root, follow_symlinks=False).st_ino
+    if current is None and (plain_ino is None or ino != plain_ino):
+        return Published.NAME_GONE  # a plain file was put at the path (another one)
     if current is not None and current.file_id != file_id:
         return Published.NAME_GONE
     if expect_version is not None and (current is None or current.version != expect_version):
@@ -176,6 +177,15 @@ def _replace_manifest(
         before()
     write_manifest(rel, manifest, dir_fd=root, owner=owner, abandoned=call.abandoned)
     return Published.DONE
+
+
+def _manifest_and_ino(root: int, rel: str) -> tuple[Manifest | None, int]:
+    """The manifest at ``rel`` (None: a plain file) and the st_ino of that file."""
+    fd = os.open(rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root)
+    try:
+        return manifest_from_fd(fd, rel), os.fstat(fd).st_ino
+    finally:
+        os.close(fd)
 
 
 FENCE_DIR = f"{CKPTFS_DIR}/fence"
@@ -365,7 +375,7 @@ class Backing:
         *,
         file_id: str,
         expect_version: str | None = None,
-        allow_plain: bool = False,
+        plain_ino: int | None = None,
         before: Callable[[], None] | None = None,
     ) -> Published:
         """Check what is at ``rel`` and replace it, in one backing-store call."""
@@ -377,7 +387,7 @@ class Backing:
             owner,
             file_id,
             expect_version,
-            allow_plain,
+            plain_ino,
             before,
             what=f"write manifest {rel}",
             with_call=True,

@@ -164,7 +164,9 @@ class CachedFile:
     # Inodes whose name was removed here but which the kernel still knows
     # (fs/inodes.py): like open handles, they keep an unlinked file's bytes.
     orphan_inodes: int = 0
-    replaces_plain: bool = False
+    # The plain backing file (its st_ino) that was adopted at this name and
+    # that the first publish replaces; never another file put there since.
+    replaces_plain: int | None = None
     lost_reason: str = ""
     publishing: Snapshot | None = None  # the snapshot a commit is publishing
     flushing: Snapshot | None = None  # the snapshot the flusher is storing

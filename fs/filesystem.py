@@ -559,7 +559,7 @@ class FileSystem:
         if not truncate:  # its old bytes are kept: copy them in (spillable while MODIFIED)
             f.writers += 1
             try:
-                fd = await self.backing.open_plain(path)
+                fd = await self.backing.open_plain(path, st.st_ino)
                 try:
                     off = 0
                     while data := await self.backing.pread(fd, 4 << 20, off, path):
@@ -576,7 +576,7 @@ class FileSystem:
             self.cache.drop(f)
             raise FsError(errno.ESTALE, f"{path}: its name was removed")
         f.mtime_ns, f.atime_ns = st.st_mtime_ns, st.st_atime_ns
-        f.replaces_plain = True  # the plain file stays until the first publish
+        f.replaces_plain = st.st_ino  # the plain file stays until the first publish
         inode.kind = "file"
         self.inodes.attach(inode, f)
         inode.ident = ("file", f.file_id)
@@ -751,11 +751,11 @@ class FileSystem:
                 (f.uid, f.gid),
                 file_id=f.file_id,
                 expect_version=expect_version,
-                allow_plain=f.replaces_plain,
+                plain_ino=f.replaces_plain,
                 before=before,
             )
             if result is Published.DONE:
-                f.replaces_plain = False
+                f.replaces_plain = None
             return result
 
     async def publish_takeover(

@@ -27,6 +27,7 @@ import trio
 import trio.testing
 from ckptfs.fs.filesystem import Caller
 from ckptfs.fs.inodes import ROOT
+from ckptfs.fs.manifest import MAGIC
 from ckptfs.fs.state import FileState
 from lifecycle_harness import Harness, audit
 
@@ -256,3 +257,41 @@ def wait_used(m, limit: int, timeout: float = 20) -> None:
     while (used := m.stat()["cache"]["used"]) > limit:
         assert time.monotonic() < deadline, f"cache still holds {used} bytes, expected <= {limit}"
         time.sleep(0.1)
+
+
+def test_a_plain_file_put_at_an_adopted_name_is_not_overwritten(h: Harness) -> None:
+    """Appending to a plain backing file makes it a ckptfs file at its first
+    publish, which replaces the plain file. If another plain file is put at
+    the name meanwhile (copied into the shared directory from elsewhere), the
+    publish must not overwrite it: as on NFS, writes to a file renamed over
+    go to the old file, and the new one stays."""
+    first, second = random.randbytes(SIZE), random.randbytes(SIZE)
+    (h.backing / "plain").write_bytes(first)
+    (h.backing / "other").write_bytes(second)
+    fs = h.core.fs
+    ino = h.call(fs.lookup, ROOT, "plain").ino
+    fh, _ = h.call(fs.open, ino, os.O_WRONLY, CALLER)  # adopts: its bytes are copied in
+    h.call(fs.write, fh, SIZE, b"appended")
+    os.rename(h.backing / "other", h.backing / "plain")
+    h.call(fs.flush, fh)
+    h.call(fs.release, fh)
+    h.direct(h.background_steps, 100)
+    assert (h.backing / "plain").read_bytes() == second
+    again = h.call(fs.lookup, ROOT, "plain").ino
+    assert read_inode(h, again) == second
+
+
+def test_an_adopted_plain_file_is_replaced_by_its_publish(h: Harness) -> None:
+    """The same append without a stranger: the plain file becomes a ckptfs
+    file holding its old bytes and the appended ones."""
+    first = random.randbytes(SIZE)
+    (h.backing / "plain").write_bytes(first)
+    fs = h.core.fs
+    ino = h.call(fs.lookup, ROOT, "plain").ino
+    fh, _ = h.call(fs.open, ino, os.O_WRONLY, CALLER)
+    h.call(fs.write, fh, SIZE, b"appended")
+    h.call(fs.flush, fh)
+    h.call(fs.release, fh)
+    h.direct(h.background_steps, 100)
+    assert (h.backing / "plain").read_bytes().startswith(MAGIC)
+    assert read_inode(h, ino) == first + b"appended"

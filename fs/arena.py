@@ -54,6 +54,7 @@ class Arena:
         # pre-fault pass takes, and it hands them back on the right.
         self._free: deque[int] = deque(range(self.nslots - 1, -1, -1))
         self._prefaulting = 0
+        self.peak_used = 0  # the most slots in use at once since this daemon started
         self._pins: dict[int, int] = {}
         self._release_on_unpin: set[int] = set()
         # 1 where every page of the slot exists in the file: stores through
@@ -75,9 +76,14 @@ class Arena:
     def claim(self, slots: set[int]) -> None:
         """Mark slots adopted from a previous daemon as in use."""
         self._free = deque(s for s in self._free if s not in slots)
+        self.peak_used = max(self.peak_used, self.used_slots)
 
     def alloc(self) -> int | None:
-        return self._free.pop() if self._free else None
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self.peak_used = max(self.peak_used, self.used_slots)
+        return slot
 
     def release(self, slot: int) -> None:
         if slot in self._pins:

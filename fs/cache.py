@@ -135,6 +135,12 @@ class Cache:
         self._space_event = trio.Event()
         self.need_space = trio.Event()
         self.dirty_pages = 0
+        # The most pages at once since this daemon started: this node's own
+        # not yet durable pages, and other nodes' pages mirrored here. What a
+        # node needs in RAM is the sum (its arena holds clean pages too,
+        # which eviction takes back).
+        self.peak_own_dirty = 0
+        self.peak_mirrored = 0
         self.waiting_writers = 0
         self.backpressure_events = 0
         self.backpressure_seconds = 0.0
@@ -259,7 +265,7 @@ class Cache:
             f.pages[int(p)] = Page(PageState.DIRTY, slot, fill, next(self._gen))
             f.ram_count += 1
             f.dirty_count += 1
-            self.dirty_pages += 1
+            self._own_page_dirtied()
             self._resident[f] = None
         for p, (off, length, digest, fill) in record["spilled"].items():
             f.pages[int(p)] = Page(PageState.SPILLED, -1, fill, next(self._gen))
@@ -527,7 +533,7 @@ class Cache:
             page.state = PageState.DIRTY
             page.chunk = None
             f.dirty_count += 1
-            self.dirty_pages += 1
+            self._own_page_dirtied()
         page.gen = next(self._gen)
         f.content_gen = page.gen
         if f.role is FileRole.LOCAL and f.state is not FileState.UNLINKED:
@@ -619,6 +625,7 @@ class Cache:
         f.dirty_count += 1
         self.dirty_pages += 1
         self.mirror_slots += 1
+        self.peak_mirrored = max(self.peak_mirrored, self.mirror_slots)
         self._mirror_changed(f)
 
     def _mirror_changed(self, f: CachedFile) -> None:
@@ -759,6 +766,10 @@ class Cache:
 
     def mirrored_bytes(self) -> int:
         return self.mirror_slots * self.page_size
+
+    def _own_page_dirtied(self) -> None:
+        self.dirty_pages += 1
+        self.peak_own_dirty = max(self.peak_own_dirty, self.dirty_pages - self.mirror_slots)
 
     # ----- memory ---------------------------------------------------------
     def _touch(self, f: CachedFile) -> None:
@@ -1178,6 +1189,11 @@ class Cache:
             "capacity": self.arena.capacity,
             "used": self.arena.used_slots * self.page_size,
             "dirty": self.dirty_pages * self.page_size,
+            "peak": {
+                "used": self.arena.peak_used * self.page_size,
+                "own_dirty": self.peak_own_dirty * self.page_size,
+                "mirrored": self.peak_mirrored * self.page_size,
+            },
             "page_size": self.page_size,
             "frames": self.frames.slots_held * self.page_size,
             "waiting_writers": self.waiting_writers,

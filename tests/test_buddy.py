@@ -63,6 +63,13 @@ def test_a_closed_file_is_in_its_buddys_ram_and_read_from_peers_before_any_flush
     assert mirroring["mirrored_bytes"] >= len(data) and mirroring["mirrors"] == 1, mirroring
     assert "mirror:  to n2: 1 file(s) mirrored" in n1.cli("stat", str(n1.mnt)).stdout
     assert "buddy:   for n1: 1 mirror(s)" in n2.cli("stat", str(n2.mnt)).stdout
+    # The RAM each needed: the writer its own bytes, the buddy the mirror.
+    pages = -(-len(data) // MiB) * MiB
+    assert n1.stat()["cache"]["peak"]["own_dirty"] == pages
+    assert n1.stat()["cache"]["peak"]["mirrored"] == 0
+    assert n2.stat()["cache"]["peak"]["own_dirty"] == 0
+    assert n2.stat()["cache"]["peak"]["mirrored"] == pages
+    assert "+ mirrored for others 7.0 MiB at most" in n2.cli("stat", str(n2.mnt)).stdout
     writer = n1.stat()["mirroring"]["writer"]
     assert writer["buddy"] == "n2" and writer["bytes_sent"] >= len(data) and not writer["fallbacks"]
     assert time.monotonic() - start < 30

@@ -401,3 +401,30 @@ def test_a_page_waiting_for_room_frees_its_slot_whatever_happens_meanwhile(tmp_p
         assert cache.arena.used_slots == cache.mirror_slots
 
     trio.run(main)
+
+
+def test_peak_ram_counts_own_dirty_pages_and_mirrored_pages_apart(tmp_path: Path):
+    """`stat`'s cache.peak: the most own not-yet-durable bytes and the most
+    bytes mirrored for others at once, each kept after they are gone (the
+    RAM a node needs is their sum; bench_buddy prints them)."""
+
+    async def main() -> None:
+        cache = make_cache(tmp_path)  # 8 slots of 1 MiB
+        own = cache.new_file("f1", "v1", "own.pt", 0o644, 0, 0)
+        await cache.write(own, 0, os.urandom(3 * MiB))
+        page = memoryview(os.urandom(MiB))
+        for p in range(2):
+            assert await cache.mirror_page("n1", "m1", "f9", p, p + 1, page, timeout=1)
+        assert cache.stats()["peak"] == {"used": 5 * MiB, "own_dirty": 3 * MiB,
+                                         "mirrored": 2 * MiB}  # fmt: skip
+        cache.drop(own)
+        cache.drop(cache.mirrors["m1"])
+        assert cache.stats()["used"] == 0 and cache.stats()["dirty"] == 0
+        # One more mirrored page, then one own page: neither peak grows.
+        assert await cache.mirror_page("n1", "m2", "f8", 0, 1, page, timeout=1)
+        again = cache.new_file("f2", "v1", "again.pt", 0o644, 0, 0)
+        await cache.write(again, 0, b"x" * 10)
+        assert cache.stats()["peak"] == {"used": 5 * MiB, "own_dirty": 3 * MiB,
+                                         "mirrored": 2 * MiB}  # fmt: skip
+
+    trio.run(main)

@@ -13,6 +13,16 @@ def human(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def peaks_line(peak: dict[str, int] | None) -> str:
+    if peak is None:  # a daemon started before this CLI was installed
+        return "peaks:   unknown"
+    return (
+        f"peaks:   own dirty {human(peak['own_dirty'])} + mirrored for others "
+        f"{human(peak['mirrored'])} at most, cache in use {human(peak['used'])} at most"
+        " (since mount)"
+    )
+
+
 def format_stat(s: dict[str, Any]) -> str:
     c, fl = s["cache"], s["flush"]
     lines = [
@@ -23,6 +33,7 @@ def format_stat(s: dict[str, Any]) -> str:
         # .get: a daemon started before this CLI was installed has no state.
         f"  (pre-faulted {human(c['prefaulted'])} ({c.get('prefault', 'state unknown')}),"
         f" evicted {human(c['evicted_bytes'])}, spilled {human(c['spilled_bytes'])})",
+        peaks_line(c.get("peak")),
         f"backpressure: {c['waiting_writers']} writer(s) waiting now, "
         f"{c['backpressure_events']} event(s), {c['backpressure_seconds']:.1f}s waited",
         f"flush:   {fl['queued']} queued, {len(fl['active'])} active, stored "

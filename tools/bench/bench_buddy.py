@@ -172,6 +172,22 @@ def anon_mib(c: Cluster, n: str) -> float:
     return c.stat(n)["memory"]["anon"] / MIB
 
 
+def print_ram(c: Cluster, nbytes: int) -> None:
+    """Each node's RAM over the saves: the most of its own not yet durable
+    bytes and of the buddy's mirrored here at once (what it needs), the most
+    arena in use (clean pages too), and its resident memory now."""
+    print(f"  RAM per node over the saves ({nbytes / GIB:.2f} GiB each; peaks since mount):")
+    for n in NODES:
+        s = c.stat(n)
+        peak, mem = s["cache"]["peak"], s["memory"]
+        print(
+            f"    {n}: own dirty {peak['own_dirty'] / GIB:.2f} GiB + mirrored for others "
+            f"{peak['mirrored'] / GIB:.2f} GiB; arena in use {peak['used'] / GIB:.2f} of "
+            f"{s['cache']['capacity'] / GIB:.2f} GiB; RSS {mem['rss'] / GIB:.2f} GiB "
+            f"(arena pages mapped {mem['shmem'] / GIB:.2f}, heap {mem['anon'] / MIB:.0f} MiB)"
+        )
+
+
 def run(args: argparse.Namespace, c: Cluster) -> None:
     size = int(args.size_gib * GIB)
     print(machine())
@@ -228,6 +244,7 @@ def run(args: argparse.Namespace, c: Cluster) -> None:
         print(
             f"  n1 mirrored {writer['bytes_sent'] / GIB:.2f} GiB, {writer['fallbacks']} fallback(s)"
         )
+        print_ram(c, nbytes)
 
         c.remount_capped("n1")
         # Other bytes than the saves': chunks already stored would make the

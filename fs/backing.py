@@ -164,9 +164,6 @@ def _replace_manifest(
                 ) from None
     except FileNotFoundError:
         return Published.NAME_GONE
-    except ManifestError:
-        # Unreadable: not ours to replace, unless it is the plain file we adopted.
-        current, ino = None, os.stat(rel, dir_fd=root, follow_symlinks=False).st_ino
     if current is None and (plain_ino is None or ino != plain_ino):
         return Published.NAME_GONE  # a plain file was put at the path (another one)
     if current is not None and current.file_id != file_id:
@@ -180,10 +177,16 @@ def _replace_manifest(
 
 
 def _manifest_and_ino(root: int, rel: str) -> tuple[Manifest | None, int]:
-    """The manifest at ``rel`` (None: a plain file) and the st_ino of that file."""
+    """The manifest at ``rel`` and the st_ino of that file. None for a plain
+    file, and for an unreadable manifest: neither is ours to replace, unless
+    it is the very plain file a writer adopted."""
     fd = os.open(rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root)
     try:
-        return manifest_from_fd(fd, rel), os.fstat(fd).st_ino
+        ino = os.fstat(fd).st_ino
+        try:
+            return manifest_from_fd(fd, rel), ino
+        except ManifestError:
+            return None, ino
     finally:
         os.close(fd)
 

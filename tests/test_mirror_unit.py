@@ -19,7 +19,7 @@ from ckptfs.fs.cache import Cache
 from ckptfs.fs.cachedfile import ChunkMap
 from ckptfs.fs.chunkstore import ChunkStore
 from ckptfs.fs.journal import Journal
-from ckptfs.fs.manifest import Manifest, read_manifest, write_manifest
+from ckptfs.fs.manifest import MAGIC, Manifest, read_manifest, write_manifest
 from ckptfs.fs.state import FileRole, FileState, Published
 from ckptfs.peer.mirror import PAGE, MirrorServer
 from ckptfs.peer.transport import Request
@@ -426,5 +426,30 @@ def test_peak_ram_counts_own_dirty_pages_and_mirrored_pages_apart(tmp_path: Path
         await cache.write(again, 0, b"x" * 10)
         assert cache.stats()["peak"] == {"used": 5 * MiB, "own_dirty": 3 * MiB,
                                          "mirrored": 2 * MiB}  # fmt: skip
+
+    trio.run(main)
+
+
+def test_a_publish_replaces_a_plain_file_only_if_it_is_the_adopted_one(tmp_path: Path):
+    """replace_manifest with plain_ino: only that plain file is replaced; an
+    unreadable manifest or another plain file at the name is never ours."""
+
+    async def main() -> None:
+        b = Backing(tmp_path, BackingIO(5))
+        m = pending("f1", "v1", ["n2"])
+        plain = tmp_path / "a.pt"
+        plain.write_bytes(b"plain bytes")
+        adopted = plain.stat().st_ino
+        broken = MAGIC + b"{not json"
+        (tmp_path / "b.pt").write_bytes(broken)
+        r = await b.replace_manifest("b.pt", m, (0, 0), file_id="f1", plain_ino=adopted)
+        assert r is Published.NAME_GONE and (tmp_path / "b.pt").read_bytes() == broken
+        assert await b.replace_manifest("a.pt", m, (0, 0), file_id="f1") is Published.NAME_GONE
+        (tmp_path / "other").write_bytes(b"another plain file")
+        os.replace(tmp_path / "other", plain)
+        r = await b.replace_manifest("a.pt", m, (0, 0), file_id="f1", plain_ino=adopted)
+        assert r is Published.NAME_GONE and plain.read_bytes() == b"another plain file"
+        r = await b.replace_manifest("a.pt", m, (0, 0), file_id="f1", plain_ino=plain.stat().st_ino)
+        assert r is Published.DONE and read_manifest(plain).file_id == "f1"
 
     trio.run(main)

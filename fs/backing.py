@@ -49,6 +49,25 @@ class Entry:
         return (self.kind, self.st.st_ino)
 
 
+@dataclass(frozen=True)
+class PlainFile:
+    """A plain backing file as a writer adopted it. Another file put at its
+    name since does not match: not by its inode number alone, which a file
+    system hands to a new file as soon as the old one is deleted, and not if
+    this one was rewritten in place (its size or mtime changed)."""
+
+    ino: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> PlainFile:
+        return cls(st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def matches(self, st: os.stat_result) -> bool:
+        return self == PlainFile.of(st)
+
+
 def hidden(rel_dir: str, name: str) -> bool:
     return (rel_dir == "" and name == CKPTFS_DIR) or is_tmp_name(name)
 
@@ -141,15 +160,15 @@ def _replace_manifest(
     owner: tuple[int, int],
     file_id: str,
     expect_version: str | None,
-    plain_ino: int | None,
+    plain: PlainFile | None,
     before: Callable[[], None] | None,
 ) -> Published:
     """Replace the manifest at ``rel`` if it still belongs to ``file_id`` (and,
-    with ``expect_version``, is still that version), or, with ``plain_ino``,
-    if that plain file is still there; ``before`` runs first."""
+    with ``expect_version``, is still that version), or, with ``plain``, if
+    that plain file is still there; ``before`` runs first."""
     try:
         try:
-            current, ino = _manifest_and_ino(root, rel)
+            current, st = _manifest_and_stat(root, rel)
         except FileNotFoundError:
             # A takeover may have moved it aside for an instant (see
             # _takeover_manifest): wait for it before calling the name gone,
@@ -157,14 +176,14 @@ def _replace_manifest(
             if not _wait_for_fence(root, file_id):
                 raise
             try:
-                current, ino = _manifest_and_ino(root, rel)
+                current, st = _manifest_and_stat(root, rel)
             except FileNotFoundError:
                 raise OSError(
                     errno.EBUSY, f"{rel}: a takeover of this file holds its name; try again"
                 ) from None
     except FileNotFoundError:
         return Published.NAME_GONE
-    if current is None and (plain_ino is None or ino != plain_ino):
+    if current is None and (plain is None or not plain.matches(st)):
         return Published.NAME_GONE  # a plain file was put at the path (another one)
     if current is not None and current.file_id != file_id:
         return Published.NAME_GONE
@@ -176,17 +195,17 @@ def _replace_manifest(
     return Published.DONE
 
 
-def _manifest_and_ino(root: int, rel: str) -> tuple[Manifest | None, int]:
-    """The manifest at ``rel`` and the st_ino of that file. None for a plain
+def _manifest_and_stat(root: int, rel: str) -> tuple[Manifest | None, os.stat_result]:
+    """The manifest at ``rel`` and the stat of that file. None for a plain
     file, and for an unreadable manifest: neither is ours to replace, unless
     it is the very plain file a writer adopted."""
     fd = os.open(rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root)
     try:
-        ino = os.fstat(fd).st_ino
+        st = os.fstat(fd)
         try:
-            return manifest_from_fd(fd, rel), ino
+            return manifest_from_fd(fd, rel), st
         except ManifestError:
-            return None, ino
+            return None, st
     finally:
         os.close(fd)
 
@@ -378,7 +397,7 @@ class Backing:
         *,
         file_id: str,
         expect_version: str | None = None,
-        plain_ino: int | None = None,
+        plain: PlainFile | None = None,
         before: Callable[[], None] | None = None,
     ) -> Published:
         """Check what is at ``rel`` and replace it, in one backing-store call."""
@@ -390,7 +409,7 @@ class Backing:
             owner,
             file_id,
             expect_version,
-            plain_ino,
+            plain,
             before,
             what=f"write manifest {rel}",
             with_call=True,
@@ -459,13 +478,15 @@ class Backing:
 
         await self.io.run(utime, what=f"utime {rel}")
 
-    async def open_plain(self, rel: str, expect_ino: object = None) -> int:
-        """A read-only fd of the plain file at ``rel``; with ``expect_ino``,
-        ESTALE if another file is there now (a manifest written at its name)."""
+    async def open_plain(
+        self, rel: str, expect: Callable[[os.stat_result], bool] | None = None
+    ) -> int:
+        """A read-only fd of the plain file at ``rel``; ESTALE if ``expect``
+        says that another file is there now (a manifest written at its name)."""
 
         def open_() -> int:
             fd = os.open(rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.root_fd)
-            if expect_ino is not None and os.fstat(fd).st_ino != expect_ino:
+            if expect is not None and not expect(os.fstat(fd)):
                 os.close(fd)
                 raise OSError(errno.ESTALE, f"{rel}: another file is at its name now")
             return fd

@@ -16,13 +16,16 @@ import bisect
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from .manifest import Chunk, new_id
 from .readahead import ReadPattern
 from .state import FileRole, FileState, MirrorState, PageState, stat_state
+
+if TYPE_CHECKING:
+    from .backing import PlainFile
 
 # A piece of a byte range: (file offset, length, chunk or None for zeros).
 Piece = tuple[int, int, Chunk | None]
@@ -164,9 +167,9 @@ class CachedFile:
     # Inodes whose name was removed here but which the kernel still knows
     # (fs/inodes.py): like open handles, they keep an unlinked file's bytes.
     orphan_inodes: int = 0
-    # The plain backing file (its st_ino) that was adopted at this name and
-    # that the first publish replaces; never another file put there since.
-    replaces_plain: int | None = None
+    # The plain backing file that was adopted at this name and that the first
+    # publish replaces; never another file put there since.
+    replaces_plain: PlainFile | None = None
     lost_reason: str = ""
     publishing: Snapshot | None = None  # the snapshot a commit is publishing
     flushing: Snapshot | None = None  # the snapshot the flusher is storing

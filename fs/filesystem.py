@@ -27,7 +27,7 @@ from typing import Any, Protocol, TypeVar
 
 import trio
 
-from .backing import Backing, Entry
+from .backing import Backing, Entry, PlainFile
 from .cache import MAX_FILE_SIZE, Cache, FileLost
 from .cachedfile import CachedFile, Snapshot
 from .chunkstore import ChunkCorrupt
@@ -181,13 +181,11 @@ class FileSystem:
 
     @staticmethod
     def _local(f: CachedFile, entry: Entry) -> bool:
-        """Whether our cached copy, not the manifest, is authoritative for attributes."""
+        """Whether our cached copy, not the entry, is authoritative for attributes."""
         m = entry.manifest
-        return (
-            m is not None
-            and m.file_id == f.file_id
-            and (f.handles > 0 or f.modified or f.version == m.version)
-        )
+        if m is None:
+            return _adopted(f, entry)
+        return m.file_id == f.file_id and (f.handles > 0 or f.modified or f.version == m.version)
 
     async def _entry(self, path: str) -> Entry:
         try:
@@ -196,6 +194,9 @@ class FileSystem:
             raise FsError(errno.ENOENT) from None
 
     def _bind(self, parent: int, name: str, entry: Entry) -> Inode:
+        existing = self.inodes.child(parent, name)
+        if existing is not None and existing.file is not None and _adopted(existing.file, entry):
+            return existing  # still the plain file it adopted: the same file
         inode = self.inodes.bind(parent, name, entry.kind, entry.ident)
         self._checked(inode, entry)
         if entry.manifest is not None and inode.file is None:
@@ -239,7 +240,11 @@ class FileSystem:
             if inode.file is not None:
                 return self._attr(inode, None)
             raise FsError(errno.ENOENT) from None
-        same = entry.ident == inode.ident or ino == ROOT
+        same = (
+            entry.ident == inode.ident
+            or ino == ROOT
+            or (inode.file is not None and _adopted(inode.file, entry))
+        )
         if same:
             self._checked(inode, entry)
         if inode.kind == "dir" and same:
@@ -465,7 +470,10 @@ class FileSystem:
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         if inode.kind == "plain" and not writable:
             # The same plain file (not a manifest written at its name since).
-            fd = await self.backing.open_plain(self.inodes.path(ino), inode.ident[1])
+            ino_then = inode.ident[1]
+            fd = await self.backing.open_plain(
+                self.inodes.path(ino), lambda st: st.st_ino == ino_then
+            )
             fh = self._open_handle(inode, None, writable=False, caller=caller)
             self.handles[fh].plain_fd = fd
             return fh, False
@@ -527,6 +535,8 @@ class FileSystem:
                 if inode.file is None:
                     raise FsError(errno.ESTALE, "its name was removed")
                 return inode.file  # kept for this inode (see fs/inodes.py)
+            if inode.file is not None and _adopted(inode.file, entry):
+                return inode.file  # another open adopted the plain file meanwhile
             if entry.ident != inode.ident:
                 # Another file is at the name now (replaced by another node):
                 # the kernel's page cache of this inode holds the old file's
@@ -554,33 +564,43 @@ class FileSystem:
         """Writing to a plain backing file turns it into a ckptfs file at close."""
         if not writable:
             raise FsError(errno.EIO, "plain file opened through the cache")
-        st = entry.st
+        st, plain = entry.st, PlainFile.of(entry.st)
         f = self.cache.new_file(new_id(), new_id(), path, st.st_mode & 0o7777, st.st_uid, st.st_gid)
-        if not truncate:  # its old bytes are kept: copy them in (spillable while MODIFIED)
-            f.writers += 1
+        # Registered, so `ckptfs flush --wait` may commit it: not before its
+        # copy is whole and it knows which plain file it replaces.
+        async with f.commit_lock:
             try:
-                fd = await self.backing.open_plain(path, st.st_ino)
-                try:
-                    off = 0
-                    while data := await self.backing.pread(fd, 4 << 20, off, path):
-                        await self.cache.write(f, off, data)
-                        off += len(data)
-                finally:
-                    await self.backing.close_fd(fd)
+                if not truncate:  # its old bytes are kept (spillable while MODIFIED)
+                    await self._copy_plain(f, path, plain)
+                if inode.unlinked:  # removed or renamed over while it was copied
+                    raise FsError(errno.ESTALE, f"{path}: its name was removed")
             except BaseException:
-                self.cache.drop(f)
+                self.cache.unlink(f)  # nothing publishes it (a waiting commit sees UNLINKED)
                 raise
-            finally:
-                f.writers -= 1
-        if inode.unlinked:  # removed or renamed over while it was copied
-            self.cache.drop(f)
-            raise FsError(errno.ESTALE, f"{path}: its name was removed")
-        f.mtime_ns, f.atime_ns = st.st_mtime_ns, st.st_atime_ns
-        f.replaces_plain = st.st_ino  # the plain file stays until the first publish
-        inode.kind = "file"
-        self.inodes.attach(inode, f)
-        inode.ident = ("file", f.file_id)
+            if inode.file is not None and inode.kind == "file":
+                # Another open adopted it while this one copied: one file.
+                self.cache.unlink(f)
+                return inode.file
+            f.mtime_ns, f.atime_ns = st.st_mtime_ns, st.st_atime_ns
+            f.replaces_plain = plain  # the plain file stays until the first publish
+            inode.kind = "file"
+            self.inodes.attach(inode, f)
+            inode.ident = ("file", f.file_id)
         return f
+
+    async def _copy_plain(self, f: CachedFile, path: str, plain: PlainFile) -> None:
+        f.writers += 1
+        try:
+            fd = await self.backing.open_plain(path, plain.matches)
+            try:
+                off = 0
+                while data := await self.backing.pread(fd, 4 << 20, off, path):
+                    await self.cache.write(f, off, data)
+                    off += len(data)
+            finally:
+                await self.backing.close_fd(fd)
+        finally:
+            f.writers -= 1
 
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         handle = self.handles[fh]
@@ -751,7 +771,7 @@ class FileSystem:
                 (f.uid, f.gid),
                 file_id=f.file_id,
                 expect_version=expect_version,
-                plain_ino=f.replaces_plain,
+                plain=f.replaces_plain,
                 before=before,
             )
             if result is Published.DONE:
@@ -878,3 +898,14 @@ class FileSystem:
 
     def describe(self) -> dict[str, Any]:
         return {"handles": len(self.handles), "inodes": len(self.inodes.by_ino)}
+
+
+def _adopted(f: CachedFile, entry: Entry) -> bool:
+    """Whether ``entry`` is the plain file that ``f`` adopted and has not yet
+    replaced: until its first publish the name still shows that plain file,
+    and it is the same file (a lookup must not make a second one of it)."""
+    return (
+        f.replaces_plain is not None
+        and entry.kind == "plain"
+        and f.replaces_plain.matches(entry.st)
+    )

@@ -13,7 +13,7 @@ import trio
 import trio.testing
 from ckptfs.fs import backing as backing_mod
 from ckptfs.fs.arena import Arena
-from ckptfs.fs.backing import Backing
+from ckptfs.fs.backing import Backing, PlainFile
 from ckptfs.fs.blocking import BackingIO
 from ckptfs.fs.cache import Cache
 from ckptfs.fs.cachedfile import ChunkMap
@@ -431,25 +431,34 @@ def test_peak_ram_counts_own_dirty_pages_and_mirrored_pages_apart(tmp_path: Path
 
 
 def test_a_publish_replaces_a_plain_file_only_if_it_is_the_adopted_one(tmp_path: Path):
-    """replace_manifest with plain_ino: only that plain file is replaced; an
-    unreadable manifest or another plain file at the name is never ours."""
+    """replace_manifest with plain: only that plain file is replaced; an
+    unreadable manifest, another plain file at the name (even one given the
+    freed inode number) or the same file rewritten in place is never ours."""
 
     async def main() -> None:
         b = Backing(tmp_path, BackingIO(5))
         m = pending("f1", "v1", ["n2"])
-        plain = tmp_path / "a.pt"
-        plain.write_bytes(b"plain bytes")
-        adopted = plain.stat().st_ino
+        path = tmp_path / "a.pt"
+        path.write_bytes(b"plain bytes")
+        adopted = PlainFile.of(path.stat())
         broken = MAGIC + b"{not json"
         (tmp_path / "b.pt").write_bytes(broken)
-        r = await b.replace_manifest("b.pt", m, (0, 0), file_id="f1", plain_ino=adopted)
-        assert r is Published.NAME_GONE and (tmp_path / "b.pt").read_bytes() == broken
-        assert await b.replace_manifest("a.pt", m, (0, 0), file_id="f1") is Published.NAME_GONE
-        (tmp_path / "other").write_bytes(b"another plain file")
-        os.replace(tmp_path / "other", plain)
-        r = await b.replace_manifest("a.pt", m, (0, 0), file_id="f1", plain_ino=adopted)
-        assert r is Published.NAME_GONE and plain.read_bytes() == b"another plain file"
-        r = await b.replace_manifest("a.pt", m, (0, 0), file_id="f1", plain_ino=plain.stat().st_ino)
-        assert r is Published.DONE and read_manifest(plain).file_id == "f1"
+
+        async def publish(rel: str, plain: PlainFile | None) -> Published:
+            return await b.replace_manifest(rel, m, (0, 0), file_id="f1", plain=plain)
+
+        assert await publish("b.pt", adopted) is Published.NAME_GONE
+        assert (tmp_path / "b.pt").read_bytes() == broken
+        assert await publish("a.pt", None) is Published.NAME_GONE
+        # Another node rewrites it in place, or puts a new file with the same
+        # inode number there (what `rm a.pt; cp x a.pt` does on ext4).
+        path.write_bytes(b"plain bytes, rewritten")
+        assert await publish("a.pt", adopted) is Published.NAME_GONE
+        st = path.stat()
+        same_ino = PlainFile(adopted.ino, st.st_size, st.st_mtime_ns - 1)
+        assert await publish("a.pt", same_ino) is Published.NAME_GONE
+        assert path.read_bytes() == b"plain bytes, rewritten"
+        assert await publish("a.pt", PlainFile.of(st)) is Published.DONE
+        assert read_manifest(path).file_id == "f1"
 
     trio.run(main)

@@ -259,6 +259,15 @@ def wait_used(m, limit: int, timeout: float = 20) -> None:
         time.sleep(0.1)
 
 
+def open_plain_to_append(h: Harness, name: str, data: bytes) -> tuple[int, int]:
+    """A plain file (put in the backing directory directly) opened for
+    writing without O_TRUNC, which adopts it: (inode, handle)."""
+    (h.backing / name).write_bytes(data)
+    ino = h.call(h.core.fs.lookup, ROOT, name).ino
+    fh, _ = h.call(h.core.fs.open, ino, os.O_WRONLY, CALLER)
+    return ino, fh
+
+
 def test_a_plain_file_put_at_an_adopted_name_is_not_overwritten(h: Harness) -> None:
     """Appending to a plain backing file makes it a ckptfs file at its first
     publish, which replaces the plain file. If another plain file is put at
@@ -266,11 +275,9 @@ def test_a_plain_file_put_at_an_adopted_name_is_not_overwritten(h: Harness) -> N
     publish must not overwrite it: as on NFS, writes to a file renamed over
     go to the old file, and the new one stays."""
     first, second = random.randbytes(SIZE), random.randbytes(SIZE)
-    (h.backing / "plain").write_bytes(first)
     (h.backing / "other").write_bytes(second)
     fs = h.core.fs
-    ino = h.call(fs.lookup, ROOT, "plain").ino
-    fh, _ = h.call(fs.open, ino, os.O_WRONLY, CALLER)  # adopts: its bytes are copied in
+    _, fh = open_plain_to_append(h, "plain", first)  # adopts: its bytes are copied in
     h.call(fs.write, fh, SIZE, b"appended")
     os.rename(h.backing / "other", h.backing / "plain")
     h.call(fs.flush, fh)
@@ -281,14 +288,123 @@ def test_a_plain_file_put_at_an_adopted_name_is_not_overwritten(h: Harness) -> N
     assert read_inode(h, again) == second
 
 
-def test_an_adopted_plain_file_is_replaced_by_its_publish(h: Harness) -> None:
-    """The same append without a stranger: the plain file becomes a ckptfs
-    file holding its old bytes and the appended ones."""
+def test_a_plain_file_given_the_adopted_ones_inode_number_is_not_overwritten(
+    h: Harness,
+) -> None:
+    """Another node deletes the plain file and copies another one to its
+    name (rm; cp): ext4, and an NFS server on it, hands the new file the freed
+    inode number at once. It is still another file and must stay."""
+    first, second = random.randbytes(SIZE), random.randbytes(SIZE)
+    plain = h.backing / "plain"
+    fs = h.core.fs
+    _, fh = open_plain_to_append(h, "plain", first)
+    adopted = plain.stat().st_ino
+    h.call(fs.write, fh, SIZE, b"appended")
+    os.unlink(plain)
+    plain.write_bytes(second)
+    if plain.stat().st_ino != adopted:
+        pytest.skip("this filesystem did not reuse the inode number (test_mirror_unit covers it)")
+    h.call(fs.flush, fh)
+    h.call(fs.release, fh)
+    h.direct(h.background_steps, 100)
+    assert plain.read_bytes() == second
+
+
+def test_a_lookup_of_an_adopted_name_before_its_first_publish_finds_the_same_file(
+    h: Harness,
+) -> None:
+    """Until its first publish the name still shows the plain file; a lookup
+    then (a stat after the kernel's entry timeout) must give the same inode,
+    not a second adoption whose writes one of the two publishes would drop."""
+    first = random.randbytes(SIZE)
+    fs = h.core.fs
+    ino, fh1 = open_plain_to_append(h, "plain", first)
+    h.call(fs.write, fh1, SIZE, b"one")
+    again = h.call(fs.lookup, ROOT, "plain")
+    assert again.ino == ino and again.size == SIZE + 3  # our copy's size, not the plain file's
+    fh2, _ = h.call(fs.open, again.ino, os.O_WRONLY, CALLER)
+    h.call(fs.write, fh2, SIZE + 3, b"two")
+    for fh in (fh1, fh2):
+        h.call(fs.flush, fh)
+        h.call(fs.release, fh)
+    h.direct(h.background_steps, 100)
+    assert read_inode(h, h.call(fs.lookup, ROOT, "plain").ino) == first + b"onetwo"
+
+
+def test_a_flush_wait_during_an_adoption_waits_for_the_whole_copy(h: Harness) -> None:
+    """`ckptfs flush --wait` commits files being written. A file still
+    copying the plain file it adopts must be neither published half-copied
+    nor found "not ours" (no manifest of its own at the name yet) and
+    dropped under the open that adopts it: the flush waits for the copy."""
+    first = random.randbytes(SIZE)
+    (h.backing / "plain").write_bytes(first)
+    fs, core = h.core.fs, h.core
+    ino = h.call(fs.lookup, ROOT, "plain").ino
+    out: dict = {}
+
+    copying = trio.Event()
+    real_copy = fs._copy_plain
+
+    async def copy(*args: object) -> None:
+        copying.set()
+        await real_copy(*args)
+
+    async def open_while_flushing() -> None:
+        async def opener() -> None:
+            out["fh"], _ = await fs.open(ino, os.O_WRONLY, CALLER)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(opener)
+            await copying.wait()
+            out["drain"] = await core.drain("", 30)
+
+    fs._copy_plain = copy
+    h.call(open_while_flushing)
+    assert out["drain"]["ok"] and out["drain"]["files"] == 1, out["drain"]
+    assert (h.backing / "plain").read_bytes().startswith(MAGIC)
+    assert read_inode(h, ino) == first  # what the flush published: the whole copy
+    h.call(fs.write, out["fh"], SIZE, b"appended")
+    h.call(fs.flush, out["fh"])
+    h.call(fs.release, out["fh"])
+    h.direct(h.background_steps, 100)
+    assert read_inode(h, h.call(fs.lookup, ROOT, "plain").ino) == first + b"appended"
+
+
+def test_two_opens_adopting_one_plain_file_at_once_share_it(h: Harness) -> None:
+    """Two processes open the same plain file for appending at the same
+    moment: both copies start, one file results, and both writes are in it."""
     first = random.randbytes(SIZE)
     (h.backing / "plain").write_bytes(first)
     fs = h.core.fs
     ino = h.call(fs.lookup, ROOT, "plain").ino
-    fh, _ = h.call(fs.open, ino, os.O_WRONLY, CALLER)
+    handles: list[int] = []
+
+    async def both() -> None:
+        async def opener() -> None:
+            fh, _ = await fs.open(ino, os.O_WRONLY, CALLER)
+            handles.append(fh)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(opener)
+            nursery.start_soon(opener)
+
+    h.call(both)
+    assert h.core.fs.handles[handles[0]].file is h.core.fs.handles[handles[1]].file
+    h.call(fs.write, handles[0], SIZE, b"one")
+    h.call(fs.write, handles[1], SIZE + 3, b"two")
+    for fh in handles:
+        h.call(fs.flush, fh)
+        h.call(fs.release, fh)
+    h.direct(h.background_steps, 100)
+    assert read_inode(h, h.call(fs.lookup, ROOT, "plain").ino) == first + b"onetwo"
+
+
+def test_an_adopted_plain_file_is_replaced_by_its_publish(h: Harness) -> None:
+    """The same append without a stranger: the plain file becomes a ckptfs
+    file holding its old bytes and the appended ones."""
+    first = random.randbytes(SIZE)
+    fs = h.core.fs
+    ino, fh = open_plain_to_append(h, "plain", first)
     h.call(fs.write, fh, SIZE, b"appended")
     h.call(fs.flush, fh)
     h.call(fs.release, fh)

@@ -146,6 +146,9 @@ class FileSystem:
         self._fh = itertools.count(1)
         self.ns_lock = NamespaceLock()  # path-dependent backing updates (rename vs. publish)
         self._retry: set[CachedFile] = set()  # commits that failed; retried in the background
+        # Plain files being adopted (by inode): a second open or a setattr of
+        # one waits for the adoption, then acts on the adopted file.
+        self._adopting: dict[int, trio.Event] = {}
         self.mirror: BuddyMirror | None = None  # set by the daemon at durability buddy
         cache.unreference = self._unreference
 
@@ -564,6 +567,20 @@ class FileSystem:
         """Writing to a plain backing file turns it into a ckptfs file at close."""
         if not writable:
             raise FsError(errno.EIO, "plain file opened through the cache")
+        if (adopting := self._adopting.get(inode.ino)) is not None:
+            await adopting.wait()  # another open is adopting it: one file for both
+            f = inode.file
+            if f is None or f.unlinked or inode.kind != "file":
+                raise FsError(errno.ESTALE, f"{path}: its adoption by another open failed")
+            return f
+        done = self._adopting[inode.ino] = trio.Event()
+        try:
+            return await self._adopt_now(inode, path, entry, truncate)
+        finally:
+            del self._adopting[inode.ino]
+            done.set()
+
+    async def _adopt_now(self, inode: Inode, path: str, entry: Entry, truncate: bool) -> CachedFile:
         st, plain = entry.st, PlainFile.of(entry.st)
         f = self.cache.new_file(new_id(), new_id(), path, st.st_mode & 0o7777, st.st_uid, st.st_gid)
         # Registered, so `ckptfs flush --wait` may commit it: not before its
@@ -577,10 +594,6 @@ class FileSystem:
             except BaseException:
                 self.cache.unlink(f)  # nothing publishes it (a waiting commit sees UNLINKED)
                 raise
-            if inode.file is not None and inode.kind == "file":
-                # Another open adopted it while this one copied: one file.
-                self.cache.unlink(f)
-                return inode.file
             f.mtime_ns, f.atime_ns = st.st_mtime_ns, st.st_atime_ns
             f.replaces_plain = plain  # the plain file stays until the first publish
             inode.kind = "file"
@@ -793,6 +806,10 @@ class FileSystem:
 
     async def setattr(self, ino: int, change: SetAttr, caller: Caller) -> Attr:
         inode = self._inode(ino)
+        if (adopting := self._adopting.get(ino)) is not None:
+            # Not on the plain file it replaces: a changed mtime would make it
+            # another file to the adoption's first publish.
+            await adopting.wait()
         if inode.kind == "file" or (inode.kind == "plain" and change.size is not None):
             return await self._setattr_file(inode, change, caller)
         path = self.inodes.path(ino)
@@ -905,7 +922,8 @@ def _adopted(f: CachedFile, entry: Entry) -> bool:
     replaced: until its first publish the name still shows that plain file,
     and it is the same file (a lookup must not make a second one of it)."""
     return (
-        f.replaces_plain is not None
+        not f.unlinked
+        and f.replaces_plain is not None
         and entry.kind == "plain"
         and f.replaces_plain.matches(entry.st)
     )

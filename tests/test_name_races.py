@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import trio
 import trio.testing
-from ckptfs.fs.filesystem import Caller
+from ckptfs.fs.filesystem import Caller, SetAttr
 from ckptfs.fs.inodes import ROOT
 from ckptfs.fs.manifest import MAGIC
 from ckptfs.fs.state import FileState
@@ -397,6 +397,73 @@ def test_two_opens_adopting_one_plain_file_at_once_share_it(h: Harness) -> None:
         h.call(fs.release, fh)
     h.direct(h.background_steps, 100)
     assert read_inode(h, h.call(fs.lookup, ROOT, "plain").ino) == first + b"onetwo"
+
+
+def test_an_adoption_whose_publish_found_the_name_gone_is_not_the_name_again(
+    h: Harness,
+) -> None:
+    """The first publish finds the name gone for an instant (another node
+    moves the plain file away and back): the adopted file is retired. The
+    name, showing the very same plain file again, is then that plain file:
+    read as it is, and adopted afresh by the next append."""
+    first = random.randbytes(SIZE)
+    fs = h.core.fs
+    _, fh = open_plain_to_append(h, "plain", first)
+    h.call(fs.write, fh, SIZE, b"lost")
+    os.rename(h.backing / "plain", h.backing / "away")
+    h.call(fs.flush, fh)  # publishes: the name is gone, so is this version
+    os.rename(h.backing / "away", h.backing / "plain")
+    h.call(fs.release, fh)
+    h.direct(h.background_steps, 100)
+    again = h.call(fs.lookup, ROOT, "plain")
+    assert again.size == SIZE
+    assert read_inode(h, again.ino) == first
+    fh2, _ = h.call(fs.open, again.ino, os.O_WRONLY, CALLER)
+    h.call(fs.write, fh2, SIZE, b"kept")
+    h.call(fs.flush, fh2)
+    h.call(fs.release, fh2)
+    h.direct(h.background_steps, 100)
+    assert (h.backing / "plain").read_bytes().startswith(MAGIC)
+    assert read_inode(h, h.call(fs.lookup, ROOT, "plain").ino) == first + b"kept"
+
+
+def test_a_touch_through_the_mount_during_an_adoption_lands_on_the_adopted_file(
+    h: Harness,
+) -> None:
+    """Process B sets the times of the name while process A's append is
+    still copying the plain file in. Set on the plain file, the new mtime
+    would make it another file to A's first publish, and A's writes would be
+    dropped: B's setattr waits for the adoption and changes the adopted file."""
+    first = random.randbytes(SIZE)
+    (h.backing / "plain").write_bytes(first)
+    fs = h.core.fs
+    ino = h.call(fs.lookup, ROOT, "plain").ino
+    out: dict = {}
+    copying = trio.Event()
+    real_copy = fs._copy_plain
+
+    async def copy(*args: object) -> None:
+        copying.set()
+        await real_copy(*args)
+
+    async def append_while_touching() -> None:
+        async def opener() -> None:
+            out["fh"], _ = await fs.open(ino, os.O_WRONLY, CALLER)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(opener)
+            await copying.wait()
+            out["attr"] = await fs.setattr(ino, SetAttr(mtime_ns=10**18), CALLER)
+
+    fs._copy_plain = copy
+    h.call(append_while_touching)
+    assert out["attr"].mtime_ns == 10**18 and out["attr"].size == SIZE
+    h.call(fs.write, out["fh"], SIZE, b"appended")
+    h.call(fs.flush, out["fh"])
+    h.call(fs.release, out["fh"])
+    h.direct(h.background_steps, 100)
+    assert (h.backing / "plain").read_bytes().startswith(MAGIC)
+    assert read_inode(h, h.call(fs.lookup, ROOT, "plain").ino) == first + b"appended"
 
 
 def test_an_adopted_plain_file_is_replaced_by_its_publish(h: Harness) -> None:

@@ -20,7 +20,9 @@ import errno
 import os
 import random
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -268,6 +270,38 @@ def open_plain_to_append(h: Harness, name: str, data: bytes) -> tuple[int, int]:
     return ino, fh
 
 
+def append_while(
+    h: Harness, ino: int, meanwhile: Callable[[], Awaitable[object]]
+) -> dict[str, Any]:
+    """Open the plain file ``ino`` for appending and, once its adoption is
+    copying the plain bytes in, run ``meanwhile()`` (another process's call).
+    Returns {"fh": the handle, "meanwhile": what the call returned}."""
+    fs = h.core.fs
+    out: dict[str, Any] = {}
+    copying = trio.Event()
+    real_copy = fs._copy_plain
+
+    async def copy(*args: Any) -> None:
+        copying.set()
+        await real_copy(*args)
+
+    async def both() -> None:
+        async def opener() -> None:
+            out["fh"], _ = await fs.open(ino, os.O_WRONLY, CALLER)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(opener)
+            await copying.wait()
+            out["meanwhile"] = await meanwhile()
+
+    fs._copy_plain = copy
+    try:
+        h.call(both)
+    finally:
+        fs._copy_plain = real_copy
+    return out
+
+
 def test_a_plain_file_put_at_an_adopted_name_is_not_overwritten(h: Harness) -> None:
     """Appending to a plain backing file makes it a ckptfs file at its first
     publish, which replaces the plain file. If another plain file is put at
@@ -340,27 +374,8 @@ def test_a_flush_wait_during_an_adoption_waits_for_the_whole_copy(h: Harness) ->
     (h.backing / "plain").write_bytes(first)
     fs, core = h.core.fs, h.core
     ino = h.call(fs.lookup, ROOT, "plain").ino
-    out: dict = {}
-
-    copying = trio.Event()
-    real_copy = fs._copy_plain
-
-    async def copy(*args: object) -> None:
-        copying.set()
-        await real_copy(*args)
-
-    async def open_while_flushing() -> None:
-        async def opener() -> None:
-            out["fh"], _ = await fs.open(ino, os.O_WRONLY, CALLER)
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(opener)
-            await copying.wait()
-            out["drain"] = await core.drain("", 30)
-
-    fs._copy_plain = copy
-    h.call(open_while_flushing)
-    assert out["drain"]["ok"] and out["drain"]["files"] == 1, out["drain"]
+    out = append_while(h, ino, lambda: core.drain("", 30))
+    assert out["meanwhile"]["ok"] and out["meanwhile"]["files"] == 1, out["meanwhile"]
     assert (h.backing / "plain").read_bytes().startswith(MAGIC)
     assert read_inode(h, ino) == first  # what the flush published: the whole copy
     h.call(fs.write, out["fh"], SIZE, b"appended")
@@ -438,26 +453,8 @@ def test_a_touch_through_the_mount_during_an_adoption_lands_on_the_adopted_file(
     (h.backing / "plain").write_bytes(first)
     fs = h.core.fs
     ino = h.call(fs.lookup, ROOT, "plain").ino
-    out: dict = {}
-    copying = trio.Event()
-    real_copy = fs._copy_plain
-
-    async def copy(*args: object) -> None:
-        copying.set()
-        await real_copy(*args)
-
-    async def append_while_touching() -> None:
-        async def opener() -> None:
-            out["fh"], _ = await fs.open(ino, os.O_WRONLY, CALLER)
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(opener)
-            await copying.wait()
-            out["attr"] = await fs.setattr(ino, SetAttr(mtime_ns=10**18), CALLER)
-
-    fs._copy_plain = copy
-    h.call(append_while_touching)
-    assert out["attr"].mtime_ns == 10**18 and out["attr"].size == SIZE
+    out = append_while(h, ino, lambda: fs.setattr(ino, SetAttr(mtime_ns=10**18), CALLER))
+    assert out["meanwhile"].mtime_ns == 10**18 and out["meanwhile"].size == SIZE
     h.call(fs.write, out["fh"], SIZE, b"appended")
     h.call(fs.flush, out["fh"])
     h.call(fs.release, out["fh"])

@@ -200,11 +200,23 @@ class FileSystem:
         existing = self.inodes.child(parent, name)
         if existing is not None and existing.file is not None and _adopted(existing.file, entry):
             return existing  # still the plain file it adopted: the same file
+        if entry.kind == "plain" and (f := self._adopter(parent, name, entry)) is not None:
+            # Its first publish failed (retried in the background) and the
+            # kernel forgot its inode: the name is that file, not the plain one.
+            inode = self.inodes.bind(parent, name, "file", ("file", f.file_id))
+            self.inodes.attach(inode, f)
+            return inode
         inode = self.inodes.bind(parent, name, entry.kind, entry.ident)
         self._checked(inode, entry)
         if entry.manifest is not None and inode.file is None:
             self.inodes.attach(inode, self.cache.files.get(entry.manifest.file_id))
         return inode
+
+    def _adopter(self, parent: int, name: str, entry: Entry) -> CachedFile | None:
+        """A file that adopted the plain file ``entry`` at (parent, name) and
+        whose first publish failed: it waits for a retry, with no handle."""
+        path = self.inodes.child_path(parent, name)
+        return next((f for f in self._retry if f.path == path and _adopted(f, entry)), None)
 
     async def _resolved(self, path_of: Callable[[], str], bind: Callable[[Entry], T]) -> T:
         """``bind(entry)`` for the backing entry at ``path_of()``, with no

@@ -463,6 +463,41 @@ def test_a_touch_through_the_mount_during_an_adoption_lands_on_the_adopted_file(
     assert read_inode(h, h.call(fs.lookup, ROOT, "plain").ino) == first + b"appended"
 
 
+def test_an_adoption_whose_first_publish_failed_is_the_name_after_its_inode_is_forgotten(
+    h: Harness,
+) -> None:
+    """The first publish fails (a backing-store error; it is retried in the
+    background) and the kernel forgets the inode, as it does with an unused
+    one. The name still shows the plain file, but is the adopted file: its
+    bytes are read, and the next append adds to them (no second adoption)."""
+    first = random.randbytes(SIZE)
+    fs = h.core.fs
+    ino, fh = open_plain_to_append(h, "plain", first)
+    h.call(fs.write, fh, SIZE, b"appended")
+    real_replace = fs.backing.replace_manifest
+
+    async def store_down(*args: Any, **kw: Any) -> Any:
+        raise OSError(errno.EIO, "backing store unavailable")
+
+    fs.backing.replace_manifest = store_down
+    for step in (fs.flush, fs.release):
+        with pytest.raises(OSError):
+            h.call(step, fh)
+    fs.backing.replace_manifest = real_replace
+    fs.forget(ino, fs.inodes[ino].nlookup)
+    assert fs.inodes.get(ino) is None
+    again = h.call(fs.lookup, ROOT, "plain")
+    assert again.size == SIZE + 8
+    assert read_inode(h, again.ino) == first + b"appended"
+    fh2, _ = h.call(fs.open, again.ino, os.O_WRONLY, CALLER)
+    h.call(fs.write, fh2, SIZE + 8, b"more")
+    h.call(fs.flush, fh2)
+    h.call(fs.release, fh2)
+    h.direct(h.background_steps, 100)
+    assert (h.backing / "plain").read_bytes().startswith(MAGIC)
+    assert read_inode(h, h.call(fs.lookup, ROOT, "plain").ino) == first + b"appendedmore"
+
+
 def test_an_adopted_plain_file_is_replaced_by_its_publish(h: Harness) -> None:
     """The same append without a stranger: the plain file becomes a ckptfs
     file holding its old bytes and the appended ones."""

@@ -67,6 +67,19 @@ def read_inode(h: Harness, ino: int) -> bytes:
         h.call(fs.release, fh)
 
 
+def close(h: Harness, *fhs: int) -> None:
+    """close() of each handle (FLUSH, then RELEASE); then the flusher runs."""
+    for fh in fhs:
+        h.call(h.core.fs.flush, fh)
+        h.call(h.core.fs.release, fh)
+    h.direct(h.background_steps, 100)
+
+
+def name_reads(h: Harness, name: str) -> bytes:
+    """What the name reads now, through a fresh lookup."""
+    return read_inode(h, h.call(h.core.fs.lookup, ROOT, name).ino)
+
+
 def forget(h: Harness, ino: int) -> None:
     async def run() -> None:
         inode = h.core.fs.inodes.get(ino)
@@ -314,9 +327,7 @@ def test_a_plain_file_put_at_an_adopted_name_is_not_overwritten(h: Harness) -> N
     _, fh = open_plain_to_append(h, "plain", first)  # adopts: its bytes are copied in
     h.call(fs.write, fh, SIZE, b"appended")
     os.rename(h.backing / "other", h.backing / "plain")
-    h.call(fs.flush, fh)
-    h.call(fs.release, fh)
-    h.direct(h.background_steps, 100)
+    close(h, fh)
     assert (h.backing / "plain").read_bytes() == second
     again = h.call(fs.lookup, ROOT, "plain").ino
     assert read_inode(h, again) == second
@@ -338,9 +349,7 @@ def test_a_plain_file_given_the_adopted_ones_inode_number_is_not_overwritten(
     plain.write_bytes(second)
     if plain.stat().st_ino != adopted:
         pytest.skip("this filesystem did not reuse the inode number (test_mirror_unit covers it)")
-    h.call(fs.flush, fh)
-    h.call(fs.release, fh)
-    h.direct(h.background_steps, 100)
+    close(h, fh)
     assert plain.read_bytes() == second
 
 
@@ -358,11 +367,8 @@ def test_a_lookup_of_an_adopted_name_before_its_first_publish_finds_the_same_fil
     assert again.ino == ino and again.size == SIZE + 3  # our copy's size, not the plain file's
     fh2, _ = h.call(fs.open, again.ino, os.O_WRONLY, CALLER)
     h.call(fs.write, fh2, SIZE + 3, b"two")
-    for fh in (fh1, fh2):
-        h.call(fs.flush, fh)
-        h.call(fs.release, fh)
-    h.direct(h.background_steps, 100)
-    assert read_inode(h, h.call(fs.lookup, ROOT, "plain").ino) == first + b"onetwo"
+    close(h, fh1, fh2)
+    assert name_reads(h, "plain") == first + b"onetwo"
 
 
 def test_a_flush_wait_during_an_adoption_waits_for_the_whole_copy(h: Harness) -> None:
@@ -379,10 +385,8 @@ def test_a_flush_wait_during_an_adoption_waits_for_the_whole_copy(h: Harness) ->
     assert (h.backing / "plain").read_bytes().startswith(MAGIC)
     assert read_inode(h, ino) == first  # what the flush published: the whole copy
     h.call(fs.write, out["fh"], SIZE, b"appended")
-    h.call(fs.flush, out["fh"])
-    h.call(fs.release, out["fh"])
-    h.direct(h.background_steps, 100)
-    assert read_inode(h, h.call(fs.lookup, ROOT, "plain").ino) == first + b"appended"
+    close(h, out["fh"])
+    assert name_reads(h, "plain") == first + b"appended"
 
 
 def test_two_opens_adopting_one_plain_file_at_once_share_it(h: Harness) -> None:
@@ -407,11 +411,8 @@ def test_two_opens_adopting_one_plain_file_at_once_share_it(h: Harness) -> None:
     assert h.core.fs.handles[handles[0]].file is h.core.fs.handles[handles[1]].file
     h.call(fs.write, handles[0], SIZE, b"one")
     h.call(fs.write, handles[1], SIZE + 3, b"two")
-    for fh in handles:
-        h.call(fs.flush, fh)
-        h.call(fs.release, fh)
-    h.direct(h.background_steps, 100)
-    assert read_inode(h, h.call(fs.lookup, ROOT, "plain").ino) == first + b"onetwo"
+    close(h, *handles)
+    assert name_reads(h, "plain") == first + b"onetwo"
 
 
 def test_an_adoption_whose_publish_found_the_name_gone_is_not_the_name_again(
@@ -435,11 +436,9 @@ def test_an_adoption_whose_publish_found_the_name_gone_is_not_the_name_again(
     assert read_inode(h, again.ino) == first
     fh2, _ = h.call(fs.open, again.ino, os.O_WRONLY, CALLER)
     h.call(fs.write, fh2, SIZE, b"kept")
-    h.call(fs.flush, fh2)
-    h.call(fs.release, fh2)
-    h.direct(h.background_steps, 100)
+    close(h, fh2)
     assert (h.backing / "plain").read_bytes().startswith(MAGIC)
-    assert read_inode(h, h.call(fs.lookup, ROOT, "plain").ino) == first + b"kept"
+    assert name_reads(h, "plain") == first + b"kept"
 
 
 def test_a_touch_through_the_mount_during_an_adoption_lands_on_the_adopted_file(
@@ -456,11 +455,9 @@ def test_a_touch_through_the_mount_during_an_adoption_lands_on_the_adopted_file(
     out = append_while(h, ino, lambda: fs.setattr(ino, SetAttr(mtime_ns=10**18), CALLER))
     assert out["meanwhile"].mtime_ns == 10**18 and out["meanwhile"].size == SIZE
     h.call(fs.write, out["fh"], SIZE, b"appended")
-    h.call(fs.flush, out["fh"])
-    h.call(fs.release, out["fh"])
-    h.direct(h.background_steps, 100)
+    close(h, out["fh"])
     assert (h.backing / "plain").read_bytes().startswith(MAGIC)
-    assert read_inode(h, h.call(fs.lookup, ROOT, "plain").ino) == first + b"appended"
+    assert name_reads(h, "plain") == first + b"appended"
 
 
 def test_an_adoption_whose_first_publish_failed_is_the_name_after_its_inode_is_forgotten(
@@ -491,11 +488,9 @@ def test_an_adoption_whose_first_publish_failed_is_the_name_after_its_inode_is_f
     assert read_inode(h, again.ino) == first + b"appended"
     fh2, _ = h.call(fs.open, again.ino, os.O_WRONLY, CALLER)
     h.call(fs.write, fh2, SIZE + 8, b"more")
-    h.call(fs.flush, fh2)
-    h.call(fs.release, fh2)
-    h.direct(h.background_steps, 100)
+    close(h, fh2)
     assert (h.backing / "plain").read_bytes().startswith(MAGIC)
-    assert read_inode(h, h.call(fs.lookup, ROOT, "plain").ino) == first + b"appendedmore"
+    assert name_reads(h, "plain") == first + b"appendedmore"
 
 
 def test_an_adopted_plain_file_is_replaced_by_its_publish(h: Harness) -> None:
@@ -505,8 +500,6 @@ def test_an_adopted_plain_file_is_replaced_by_its_publish(h: Harness) -> None:
     fs = h.core.fs
     ino, fh = open_plain_to_append(h, "plain", first)
     h.call(fs.write, fh, SIZE, b"appended")
-    h.call(fs.flush, fh)
-    h.call(fs.release, fh)
-    h.direct(h.background_steps, 100)
+    close(h, fh)
     assert (h.backing / "plain").read_bytes().startswith(MAGIC)
     assert read_inode(h, ino) == first + b"appended"

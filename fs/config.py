@@ -97,9 +97,10 @@ class Config:
     # service needs free ones. An idle worker costs nothing, a busy one ~2 MiB.
     fuse_workers: int = 128
     allow_other: bool = True
-    # A read-only open reuses the manifest check that the lookup or stat just
-    # before it made, if no older than this (seconds): one backing-store round
-    # trip less per open (torch.load's mmap reopen). 0: every open re-reads.
+    # A read-only open, or a stat of a closed file, reuses the manifest check
+    # that the lookup, stat or open just before it made, if no older than this
+    # (seconds): one backing-store round trip less each (torch.load's mmap
+    # reopen, and its getsize after a read). 0: every open re-reads.
     open_recheck: float = 0.05
     backing_timeout: float = 120.0
     run_dir: Path = Path("/run/ckptfs")

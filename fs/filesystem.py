@@ -247,6 +247,18 @@ class FileSystem:
         if inode.kind == "file" and f is not None and (f.writers or f.modified):
             return self._attr(inode, None)  # being written here: our copy is current
         now = time.monotonic()
+        if (
+            inode.kind == "file"
+            and f is not None
+            and (seen := self._last_check(inode, f)) is not None
+        ):
+            # The kernel asks after every read (a read invalidates its cached
+            # atime): torch.load's getsize between its two opens would pay a
+            # backing-store round trip. An open file's attributes are our
+            # copy's whatever the name holds now (see _local); a closed one's
+            # the last check's, if it is as recent as an open may reuse.
+            if f.handles or self._recently_checked(inode):
+                return self._attr(inode, seen)
         if inode.kind == "dir" and now - inode.dir_attrs_at < DIR_ATTR_REUSE:
             return self._attr(inode, inode.dir_attrs)
         try:
@@ -521,7 +533,21 @@ class FileSystem:
     @staticmethod
     def _checked(inode: Inode, entry: Entry) -> None:
         if entry.manifest is not None:
-            inode.checked_version, inode.checked_at = entry.manifest.version, time.monotonic()
+            inode.checked, inode.checked_at = entry, time.monotonic()
+
+    @staticmethod
+    def _last_check(inode: Inode, f: CachedFile) -> Entry | None:
+        """The last check's entry for the inode's name, if it found ``f`` at
+        the version we hold (not an older or newer one, nor another file)."""
+        seen = inode.checked
+        if seen is None or seen.manifest is None or f.unlinked:
+            return None
+        m = seen.manifest
+        return seen if (m.file_id, m.version) == (f.file_id, f.version) else None
+
+    def _recently_checked(self, inode: Inode) -> bool:
+        """Whether an open or a stat may reuse the last check (``fuse.open_recheck``)."""
+        return time.monotonic() - inode.checked_at < self.config.open_recheck
 
     async def _file_for(self, inode: Inode, writable: bool, truncate: bool = False) -> CachedFile:
         """The cached file behind an inode, (re)loaded from its manifest if needed."""
@@ -538,8 +564,8 @@ class FileSystem:
         if (
             f is not None
             and not writable
-            and f.version == inode.checked_version
-            and time.monotonic() - inode.checked_at < self.config.open_recheck
+            and self._last_check(inode, f) is not None
+            and self._recently_checked(inode)
         ):
             return f  # the lookup just before this open read the manifest
         if inode.unlinked:

@@ -49,8 +49,9 @@ class Inode:
     # parent), and a round trip per create halves small-file throughput.
     dir_attrs: Entry | None = None
     dir_attrs_at: float = 0.0
-    # The manifest version the last lookup/stat found at this name, and when.
-    checked_version: str | None = None
+    # What the last lookup, stat or open found at this name (a manifest's
+    # entry), and when: an open or a stat soon after may answer from it.
+    checked: Entry | None = None
     checked_at: float = 0.0
 
 

@@ -27,7 +27,12 @@ between rounds), every operation on --ops files, one call at a time:
   inside it tears the load) ends when the second open returns, as the second
   descriptor is then bound to a version; and, with torch installed, the whole
   ``torch.load(mmap=True, weights_only=True)`` call; the name cached in both, as
-  after ``os.path.exists(path)``.
+  after ``os.path.exists(path)``;
+- the same windows on the first load of a new version: each checkpoint
+  rewritten (a temporary name, then os.replace, as a trainer's save does) and
+  flushed, untimed, right before; nothing of it is in the reader's page cache
+  on ckptfs, so its reads reach the daemon, and each read makes the kernel ask
+  for the attributes again at the next stat.
 
 Per round it takes the median and the 90th percentile of each operation; the
 report gives the median over the rounds (after one untimed warm-up round) and
@@ -91,6 +96,8 @@ OPS = (
     "  open + zip directory",
     "  getsize + reopen + mmap",
     "race window",
+    "reopen window, new version",
+    "race window, new version",
     "torch.load(mmap=True)",
 )
 
@@ -225,7 +232,8 @@ class Target:
     root: Path  # the directory the files are in
     quiesce: Callable[[], None]
     files: list[Path] = field(default_factory=list)
-    zips: list[Path] = field(default_factory=list)
+    checkpoints: list[Path] = field(default_factory=list)
+    zips: list[Path] = field(default_factory=list)  # the checkpoints, cycled
 
     def prepare(self, n: int, windows: int) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -234,17 +242,27 @@ class Target:
         for path in self.files:
             with open(path, "wb") as f:
                 f.write(payload)
-        zips = [self.root / f"ckpt-{k}.pt" for k in range(ZIP_FILES)]
-        for k, path in enumerate(zips):
+        self.checkpoints = [self.root / f"ckpt-{k}.pt" for k in range(ZIP_FILES)]
+        for k, path in enumerate(self.checkpoints):
             write_checkpoint(path, k)
-        self.zips = [zips[i % len(zips)] for i in range(windows)]
+        self.zips = [self.checkpoints[i % ZIP_FILES] for i in range(windows)]
+        self.quiesce()
+
+    def new_versions(self, seed: int) -> None:
+        """Every checkpoint saved again, as a trainer does: a temporary name, then os.replace."""
+        for k, path in enumerate(self.checkpoints):
+            tmp = path.with_name(path.name + ".tmp")
+            write_checkpoint(tmp, seed * ZIP_FILES + k)
+            os.replace(tmp, path)
         self.quiesce()
 
 
 Samples = dict[str, list[int]]
 
 
-def one_round(target: Target, tag: str, load: Callable[[Path], object] | None) -> Samples:
+def one_round(
+    target: Target, tag: str, seed: int, load: Callable[[Path], object] | None
+) -> Samples:
     """Every operation once per file; returns ns samples by operation."""
     s: Samples = {}
     # "cache expired": nothing looked at the names for longer than the mount's
@@ -274,6 +292,12 @@ def one_round(target: Target, tag: str, load: Callable[[Path], object] | None) -
         second,
     )
     s["race window"] = race
+    s["reopen window, new version"], s["race window, new version"] = [], []
+    for n in range(0, len(target.zips), ZIP_FILES):
+        target.new_versions(seed + n)
+        whole, _, _, race = time_windows(target.checkpoints[: len(target.zips) - n])
+        s["reopen window, new version"] += whole
+        s["race window, new version"] += race
     if load is not None:
         s["torch.load(mmap=True)"] = time_each(load, target.zips, before=os.stat)
     return s
@@ -368,7 +392,9 @@ def context(
         f"{ZIP_TENSOR_BYTES >> 10} KiB, cycled over {ZIP_FILES} files, each name cached (a stat "
         "right before, untimed, as after os.path.exists); race window: from the first open's "
         "start until the second open returns (a replace after that cannot tear the load); "
-        "torch.load the same way",
+        "'new version': the same on the first load of each checkpoint after it was saved "
+        "again (temporary name, os.replace) and flushed, untimed; torch.load the same way "
+        "as 'reopen window'",
         "ratio = ckptfs / plain (time); µs = microseconds",
     ]
 
@@ -486,7 +512,7 @@ def benchmark(args: argparse.Namespace, layout: Layout) -> None:
                 order = TARGETS if i % 2 == 0 else TARGETS[::-1]
                 start = time.perf_counter()
                 for name in order:
-                    samples = one_round(targets[name], f"{i + 1}-{name}", load)
+                    samples = one_round(targets[name], f"{i + 1}-{name}", (i + 2) * 1000, load)
                     if i >= 0:
                         results[name].append(samples)
                 what = "warm-up round" if i < 0 else f"round {i + 1}/{args.rounds}"

@@ -1,0 +1,141 @@
+"""Where a stat's answer comes from: our copy, the last check of the name, or the store.
+
+The kernel asks for a file's attributes again after every read: a read
+invalidates its cached atime, so the next stat or fstat is a GETATTR even
+within the attribute timeout. ``torch.load(mmap=True)`` stats the path between
+its two opens, right after reading the zip directory; with a backing-store
+round trip per GETATTR that stat was the widest part of the reopen window on
+a new version. A GETATTR is answered without the store when the answer
+cannot differ: the file is open here (its attributes are our copy's whatever
+the name holds, see ``FileSystem._local``), or the last lookup or open saw
+this very version within ``fuse.open_recheck``, the window in which an open
+may reuse that check too. Otherwise the store is asked, so a version written
+by another node shows as soon as the kernel asks.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from ckptfs.fs.chunkstore import ChunkStore, chunk_hash
+from ckptfs.fs.filesystem import Caller
+from ckptfs.fs.inodes import ROOT
+from ckptfs.fs.manifest import Chunk, Manifest, new_id, read_manifest, write_manifest
+from lifecycle_harness import Harness
+from test_name_races import save
+
+CALLER = Caller(0, 0)
+SIZE = 5 * 4096 + 17
+
+
+@pytest.fixture
+def h(tmp_path: Path) -> Iterator[Harness]:
+    harness = Harness(tmp_path)
+    harness.start()
+    yield harness
+    harness.close()
+
+
+class StatCounter:
+    """Counts the filesystem's backing-store stats (``Backing.entry``) of one path."""
+
+    def __init__(self, h: Harness, rel: str) -> None:
+        backing = h.core.fs.backing
+        self.calls = 0
+        real = backing.entry
+
+        async def entry(path: str):  # type: ignore[no-untyped-def]
+            if path == rel:
+                self.calls += 1
+            return await real(path)
+
+        backing.entry = entry  # type: ignore[method-assign]
+
+
+def saved(h: Harness, name: str, data: bytes) -> None:
+    """Written, closed and flushed."""
+    save(h, name, data)
+    h.direct(h.background_steps, 100)
+    assert read_manifest(h.backing / name).state == "durable"
+
+
+def rewrite_elsewhere(h: Harness, name: str, data: bytes) -> None:
+    """Another node's flush: a new durable version of the same file at the name."""
+    m = read_manifest(h.backing / name)
+    ChunkStore(h.backing).put(chunk_hash(data), data)
+    write_manifest(
+        h.backing / name,
+        Manifest(
+            m.file_id, new_id(), len(data), 0o644, time.time_ns(), "durable", ["other"],
+            [Chunk(0, len(data), chunk_hash(data))],
+        ),
+    )  # fmt: skip
+
+
+def test_an_open_file_is_stat_from_our_copy_without_the_store(h: Harness) -> None:
+    data = random.randbytes(SIZE)
+    saved(h, "model.pt", data)
+    fs = h.core.fs
+    ino = h.call(fs.lookup, ROOT, "model.pt").ino
+    fh, _ = h.call(fs.open, ino, os.O_RDONLY, CALLER)
+    assert h.call(fs.read, fh, 0, 4096) == data[:4096]
+    stats = StatCounter(h, "model.pt")
+    first = h.call(fs.getattr, ino)
+    assert (first.size, first.ino) == (SIZE, ino)
+    # Another node writes a new version meanwhile: this open still reads ours.
+    rewrite_elsewhere(h, "model.pt", random.randbytes(3 * SIZE))
+    time.sleep(h.config.open_recheck + 0.05)
+    again = h.call(fs.getattr, ino)
+    assert again == first  # ctime too: tar checks it did not change while it read
+    assert stats.calls == 0
+    assert h.call(fs.read, fh, 4096, SIZE) == data[4096:]
+    h.call(fs.flush, fh)
+    h.call(fs.release, fh)
+    # Closed: the next stat asks the store and sees the new version.
+    assert h.call(fs.getattr, ino).size == 3 * SIZE
+    assert stats.calls == 1
+
+
+def test_a_closed_file_is_stat_from_a_check_only_within_the_recheck_window(
+    h: Harness,
+) -> None:
+    saved(h, "model.pt", random.randbytes(SIZE))
+    fs = h.core.fs
+    ino = h.call(fs.lookup, ROOT, "model.pt").ino
+    fh, _ = h.call(fs.open, ino, os.O_RDONLY, CALLER)  # loads the file
+    h.call(fs.flush, fh)
+    h.call(fs.release, fh)
+    stats = StatCounter(h, "model.pt")
+    h.call(fs.lookup, ROOT, "model.pt")  # the check a stat or open right after may reuse
+    assert h.call(fs.getattr, ino).size == SIZE
+    assert stats.calls == 1  # the lookup's
+    time.sleep(h.config.open_recheck + 0.05)
+    rewrite_elsewhere(h, "model.pt", random.randbytes(2 * SIZE))
+    assert h.call(fs.getattr, ino).size == 2 * SIZE  # past the window: the store
+    assert stats.calls == 2
+    # That check saw a version this node does not hold: no answer from it.
+    assert h.call(fs.getattr, ino).size == 2 * SIZE
+    assert stats.calls == 3
+
+
+def test_with_no_recheck_window_a_closed_file_is_always_stat_from_the_store(
+    h: Harness,
+) -> None:
+    h.config.open_recheck = 0.0  # the default with peers: NFS close-to-open
+    saved(h, "model.pt", random.randbytes(SIZE))
+    fs = h.core.fs
+    ino = h.call(fs.lookup, ROOT, "model.pt").ino
+    fh, _ = h.call(fs.open, ino, os.O_RDONLY, CALLER)
+    stats = StatCounter(h, "model.pt")
+    assert h.call(fs.getattr, ino).size == SIZE  # open: our copy
+    assert stats.calls == 0
+    h.call(fs.flush, fh)
+    h.call(fs.release, fh)
+    rewrite_elsewhere(h, "model.pt", random.randbytes(2 * SIZE))
+    assert h.call(fs.getattr, ino).size == 2 * SIZE  # at once, with no window
+    assert stats.calls == 1

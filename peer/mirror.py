@@ -338,11 +338,13 @@ class MirrorClient:
     def _take_full_batch(self) -> tuple[CachedFile, list[int]] | None:
         """Up to BATCH_PAGES full pages of one file, taken off the changed set."""
         for f, pages in list(self._changed.items()):
-            full = sorted(
-                p
-                for p in pages
-                if (pg := f.pages.get(p)) is not None and pg.fill == self.cache.page_size
-            )[:BATCH_PAGES]
+            # A page the file no longer has (dropped, unlinked, truncated) is
+            # not streamed: the commit sends what the file holds then. Left
+            # here, it would keep a dropped file for ever (a partial last
+            # page never fills).
+            pages.intersection_update(() if f.state is FileState.UNLINKED else f.pages)
+            full = sorted(p for p in pages if f.pages[p].fill == self.cache.page_size)
+            full = full[:BATCH_PAGES]
             pages.difference_update(full)
             if not pages:
                 self._changed.pop(f, None)

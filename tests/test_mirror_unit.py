@@ -21,7 +21,7 @@ from ckptfs.fs.chunkstore import ChunkStore
 from ckptfs.fs.journal import Journal
 from ckptfs.fs.manifest import MAGIC, Manifest, read_manifest, write_manifest
 from ckptfs.fs.state import FileRole, FileState, Published
-from ckptfs.peer.mirror import PAGE, MirrorServer
+from ckptfs.peer.mirror import PAGE, MirrorClient, MirrorServer
 from ckptfs.peer.transport import Request
 
 MiB = 1 << 20
@@ -460,5 +460,40 @@ def test_a_publish_replaces_a_plain_file_only_if_it_is_the_adopted_one(tmp_path:
         assert path.read_bytes() == b"plain bytes, rewritten"
         assert await publish("a.pt", PlainFile.of(st)) is Published.DONE
         assert read_manifest(path).file_id == "f1"
+
+    trio.run(main)
+
+
+def test_a_dropped_file_is_not_kept_waiting_for_its_partial_page_to_fill(tmp_path: Path):
+    """The writer streams full pages to its buddy as they fill; a partial last
+    page waits for more bytes or for the commit. A file dropped (or unlinked)
+    before either must not stay in that waiting set, holding it for ever."""
+
+    async def main() -> None:
+        cache = make_cache(tmp_path, "n1")
+        client = MirrorClient(
+            cache,
+            None,  # type: ignore[arg-type]  # no request is sent here
+            node="n1",
+            buddy="n2",
+            address=("127.0.0.1", 9),
+            timeout=1,
+            is_alive=lambda n: True,
+        )
+        cache.on_page_changed = client.changed
+        kept = cache.new_file("f1", "v1", "kept.pt", 0o644, 0, 0)
+        gone = cache.new_file("f2", "v1", "gone.pt", 0o644, 0, 0)
+        await cache.write(kept, 0, os.urandom(MiB + 10))  # a full page and a partial one
+        await cache.write(gone, 0, os.urandom(MiB + 10))
+        assert client._take_full_batch() == (kept, [0])
+        assert client._take_full_batch() == (gone, [0])
+        assert client._take_full_batch() is None  # the partial pages wait
+        cache.drop(gone)
+        assert client._take_full_batch() is None
+        assert list(client._changed) == [kept]
+        assert client._changed[kept] == {1}
+        cache.unlink(kept)
+        assert client._take_full_batch() is None
+        assert client._changed == {}
 
     trio.run(main)

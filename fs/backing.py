@@ -14,7 +14,7 @@ import os
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .blocking import BackingIO, Call
@@ -41,6 +41,16 @@ class Entry:
     kind: str  # "dir" | "symlink" | "plain" | "file"
     st: os.stat_result
     manifest: Manifest | None = None
+    # When the read of it began (time.monotonic()): how old what it says is.
+    read_at: float = field(default_factory=time.monotonic, compare=False)
+
+    def kept(self) -> Entry:
+        """This entry without the manifest's chunk list and holders, to keep
+        for a while: enough to tell which version the name held, and when."""
+        m = self.manifest
+        if m is None or not (m.chunks or m.holders):
+            return self
+        return Entry(self.kind, self.st, replace(m, chunks=[], holders=[]), self.read_at)
 
     @property
     def ident(self) -> tuple[str, object]:
@@ -76,11 +86,12 @@ PARSED = ParsedManifests()
 
 
 def _entry_at(root: int, rel: str) -> Entry:
+    start = time.monotonic()
     st = os.stat(rel or ".", dir_fd=root, follow_symlinks=False)
     if stat.S_ISDIR(st.st_mode):
-        return Entry("dir", st)
+        return Entry("dir", st, read_at=start)
     if stat.S_ISLNK(st.st_mode):
-        return Entry("symlink", st)
+        return Entry("symlink", st, read_at=start)
     if stat.S_ISREG(st.st_mode):
         # Opened every time (on NFS the open is what revalidates); read and
         # parsed only when the manifest file is not the one seen before.
@@ -90,7 +101,8 @@ def _entry_at(root: int, rel: str) -> Entry:
             )
         except OSError as exc:
             if exc.errno == errno.ELOOP:  # replaced by a symlink since the stat
-                return Entry("symlink", os.stat(rel, dir_fd=root, follow_symlinks=False))
+                st = os.stat(rel, dir_fd=root, follow_symlinks=False)
+                return Entry("symlink", st, read_at=start)
             raise
         try:
             st = os.fstat(fd)
@@ -99,8 +111,8 @@ def _entry_at(root: int, rel: str) -> Entry:
             raise OSError(errno.EIO, f"unreadable manifest: {exc}") from None
         finally:
             os.close(fd)
-        return Entry("file", st, manifest) if manifest else Entry("plain", st)
-    return Entry("plain", st)
+        return Entry("file", st, manifest, start) if manifest else Entry("plain", st, None, start)
+    return Entry("plain", st, read_at=start)
 
 
 def _list(root: int, rel: str) -> list[tuple[str, Entry]]:

@@ -428,6 +428,7 @@ class FileSystem:
                 self._removed(p_new, new, target)
             inode = self.inodes.child(p_old, old) or self._bind(p_old, old, source)
             self.inodes.move(inode, p_new, new)
+            inode.checked = None  # a rename moves the manifest's ctime
             moved = self._repath(old_path, new_path)
         # Pending versions' journal records name the path recovery looks at.
         for f in moved:
@@ -533,7 +534,9 @@ class FileSystem:
     @staticmethod
     def _checked(inode: Inode, entry: Entry) -> None:
         if entry.manifest is not None:
-            inode.checked, inode.checked_at = entry, time.monotonic()
+            # Kept until the next check or until the kernel forgets the inode
+            # (a `ls -l` of a checkpoint tree binds many): without chunks.
+            inode.checked, inode.checked_at = entry.kept(), entry.read_at
 
     @staticmethod
     def _last_check(inode: Inode, f: CachedFile) -> Entry | None:
@@ -906,6 +909,9 @@ class FileSystem:
                 or (change.mtime_ns is not None)
             ):
                 await self._republish_meta(f)
+        # The manifest was rewritten, under the same version if only metadata
+        # changed: its ctime moved, so the next stat asks the store.
+        inode.checked = None
         return self._attr(inode, None)
 
     async def _republish_meta(self, f: CachedFile) -> None:

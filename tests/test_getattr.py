@@ -22,8 +22,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from ckptfs.fs import backing as backing_mod
 from ckptfs.fs.chunkstore import ChunkStore, chunk_hash
-from ckptfs.fs.filesystem import Caller
+from ckptfs.fs.filesystem import Caller, SetAttr
 from ckptfs.fs.inodes import ROOT
 from ckptfs.fs.manifest import Chunk, Manifest, new_id, read_manifest, write_manifest
 from lifecycle_harness import Harness
@@ -64,6 +65,20 @@ def saved(h: Harness, name: str, data: bytes) -> None:
     assert read_manifest(h.backing / name).state == "durable"
 
 
+def opened(h: Harness, name: str, data: bytes | None = None) -> tuple[int, int]:
+    """Saved, looked up and opened for reading: (inode, handle)."""
+    saved(h, name, random.randbytes(SIZE) if data is None else data)
+    ino = h.call(h.core.fs.lookup, ROOT, name).ino
+    fh, _ = h.call(h.core.fs.open, ino, os.O_RDONLY, CALLER)
+    return ino, fh
+
+
+def close(h: Harness, fh: int) -> None:
+    """close(): FLUSH, then RELEASE."""
+    h.call(h.core.fs.flush, fh)
+    h.call(h.core.fs.release, fh)
+
+
 def rewrite_elsewhere(h: Harness, name: str, data: bytes) -> None:
     """Another node's flush: a new durable version of the same file at the name."""
     m = read_manifest(h.backing / name)
@@ -79,10 +94,8 @@ def rewrite_elsewhere(h: Harness, name: str, data: bytes) -> None:
 
 def test_an_open_file_is_stat_from_our_copy_without_the_store(h: Harness) -> None:
     data = random.randbytes(SIZE)
-    saved(h, "model.pt", data)
+    ino, fh = opened(h, "model.pt", data)
     fs = h.core.fs
-    ino = h.call(fs.lookup, ROOT, "model.pt").ino
-    fh, _ = h.call(fs.open, ino, os.O_RDONLY, CALLER)
     assert h.call(fs.read, fh, 0, 4096) == data[:4096]
     stats = StatCounter(h, "model.pt")
     first = h.call(fs.getattr, ino)
@@ -94,8 +107,7 @@ def test_an_open_file_is_stat_from_our_copy_without_the_store(h: Harness) -> Non
     assert again == first  # ctime too: tar checks it did not change while it read
     assert stats.calls == 0
     assert h.call(fs.read, fh, 4096, SIZE) == data[4096:]
-    h.call(fs.flush, fh)
-    h.call(fs.release, fh)
+    close(h, fh)
     # Closed: the next stat asks the store and sees the new version.
     assert h.call(fs.getattr, ino).size == 3 * SIZE
     assert stats.calls == 1
@@ -104,12 +116,9 @@ def test_an_open_file_is_stat_from_our_copy_without_the_store(h: Harness) -> Non
 def test_a_closed_file_is_stat_from_a_check_only_within_the_recheck_window(
     h: Harness,
 ) -> None:
-    saved(h, "model.pt", random.randbytes(SIZE))
+    ino, fh = opened(h, "model.pt")  # loads the file
     fs = h.core.fs
-    ino = h.call(fs.lookup, ROOT, "model.pt").ino
-    fh, _ = h.call(fs.open, ino, os.O_RDONLY, CALLER)  # loads the file
-    h.call(fs.flush, fh)
-    h.call(fs.release, fh)
+    close(h, fh)
     stats = StatCounter(h, "model.pt")
     h.call(fs.lookup, ROOT, "model.pt")  # the check a stat or open right after may reuse
     assert h.call(fs.getattr, ino).size == SIZE
@@ -127,15 +136,81 @@ def test_with_no_recheck_window_a_closed_file_is_always_stat_from_the_store(
     h: Harness,
 ) -> None:
     h.config.open_recheck = 0.0  # the default with peers: NFS close-to-open
-    saved(h, "model.pt", random.randbytes(SIZE))
+    ino, fh = opened(h, "model.pt")
     fs = h.core.fs
-    ino = h.call(fs.lookup, ROOT, "model.pt").ino
-    fh, _ = h.call(fs.open, ino, os.O_RDONLY, CALLER)
     stats = StatCounter(h, "model.pt")
     assert h.call(fs.getattr, ino).size == SIZE  # open: our copy
     assert stats.calls == 0
-    h.call(fs.flush, fh)
-    h.call(fs.release, fh)
+    close(h, fh)
     rewrite_elsewhere(h, "model.pt", random.randbytes(2 * SIZE))
     assert h.call(fs.getattr, ino).size == 2 * SIZE  # at once, with no window
     assert stats.calls == 1
+
+
+@pytest.mark.parametrize(
+    "change", [SetAttr(mode=0o600), SetAttr(mtime_ns=123_000_000_000), SetAttr(uid=7)]
+)
+def test_a_metadata_change_here_moves_the_ctime_a_stat_shows(h: Harness, change: SetAttr) -> None:
+    """chmod, utime and chown rewrite the manifest under the same version: a
+    stat after them, of an open or a closed file, must not show the ctime the
+    check before them saw."""
+    h.config.open_recheck = 5.0  # the closed file's check would still be recent
+    ino, fh = opened(h, "model.pt")
+    fs = h.core.fs
+    before = h.call(fs.getattr, ino)
+    time.sleep(0.02)
+    h.call(fs.setattr, ino, change, CALLER)
+    now = os.stat(h.backing / "model.pt").st_ctime_ns
+    assert now >= before.ctime_ns + 10_000_000
+    assert h.call(fs.getattr, ino).ctime_ns == now  # open here
+    close(h, fh)
+    time.sleep(0.02)
+    h.call(fs.setattr, ino, SetAttr(mode=0o640), CALLER)
+    closed = h.call(fs.getattr, ino)  # closed, within the window
+    assert closed.mode & 0o7777 == 0o640
+    assert closed.ctime_ns == os.stat(h.backing / "model.pt").st_ctime_ns > now
+
+
+def test_a_rename_here_moves_the_ctime_a_stat_shows(h: Harness) -> None:
+    ino, fh = opened(h, "tmp.pt")
+    fs = h.core.fs
+    before = h.call(fs.getattr, ino)
+    time.sleep(0.02)
+    h.call(fs.rename, ROOT, "tmp.pt", ROOT, "model.pt", 0)
+    after = h.call(fs.getattr, ino)
+    close(h, fh)
+    assert after.ctime_ns == os.stat(h.backing / "model.pt").st_ctime_ns > before.ctime_ns
+
+
+def test_a_check_is_as_old_as_the_read_that_made_it(h: Harness, monkeypatch) -> None:
+    """A slow store: the check's age counts from when its read began, so a
+    read slower than the window is not reused as if it were fresh."""
+    ino, fh = opened(h, "model.pt")  # loads the file
+    fs = h.core.fs
+    close(h, fh)
+    real = backing_mod.PARSED.read
+
+    def slow(fd: int, rel: str):  # type: ignore[no-untyped-def]
+        time.sleep(h.config.open_recheck + 0.05)
+        return real(fd, rel)
+
+    monkeypatch.setattr(backing_mod.PARSED, "read", slow)
+    h.call(fs.lookup, ROOT, "model.pt")
+    monkeypatch.setattr(backing_mod.PARSED, "read", real)
+    stats = StatCounter(h, "model.pt")
+    h.call(fs.getattr, ino)
+    assert stats.calls == 1
+
+
+def test_an_inode_keeps_its_last_check_without_the_chunk_list(h: Harness) -> None:
+    """A lookup of every file of a checkpoint tree (`ls -l`) keeps one check
+    per inode for as long as the kernel keeps the inode: not the manifests'
+    chunk lists, which run to thousands of entries for a large file."""
+    saved(h, "model.pt", random.randbytes(SIZE))
+    assert len(read_manifest(h.backing / "model.pt").chunks) > 1
+    fs = h.core.fs
+    ino = h.call(fs.lookup, ROOT, "model.pt").ino
+    checked = fs.inodes[ino].checked
+    assert checked is not None and checked.manifest is not None
+    assert (checked.manifest.chunks, checked.manifest.holders) == ([], [])
+    assert checked.manifest.version == read_manifest(h.backing / "model.pt").version

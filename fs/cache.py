@@ -336,6 +336,7 @@ class Cache:
             self.journal.drop_later(key)  # recovery rejects it: its manifest is gone
         if f.role is FileRole.LOCAL and f.mirror is not MirrorState.NONE:
             self.on_mirror_done(f.mirror_id, "")  # nothing will publish this content
+        f.unlinked_while_lost = f.state is FileState.LOST
         f.state = FileState.UNLINKED
         if self.files.get(f.file_id) is f:
             del self.files[f.file_id]
@@ -359,7 +360,7 @@ class Cache:
 
     async def _begin_change(self, f: CachedFile) -> None:
         """Make ``f`` MODIFIED before any of its bytes change (caller holds f.lock)."""
-        if f.state is FileState.LOST:
+        if f.lost:
             raise FileLost(f"{f.path}: its bytes are lost; only a full rewrite may replace it")
         if f.state is FileState.UNLINKED:
             return  # open handles of a removed file may still write; nothing publishes it
@@ -915,7 +916,7 @@ class Cache:
         into: bytearray | None = None,
     ) -> bytes | memoryview:
         """Bytes of ``f``; ``view_ok`` and ``into``: see RangeReader.read."""
-        if f.state is FileState.LOST:
+        if f.lost:
             raise FileLost(f"{f.path}: bytes lost ({f.lost_reason or 'no holder'})")
         self._touch(f)
         end = min(off + size, f.size)
@@ -1070,9 +1071,12 @@ class Cache:
         async with f.lock:
             if size == 0 and f.owes_flush:
                 self._fork(f)
-            elif size == 0 and f.state is FileState.LOST:
-                f.state, f.role, f.lost_reason = FileState.MODIFIED, FileRole.LOCAL, ""
-                f.base = ChunkMap()
+            elif size == 0 and f.lost:
+                if f.unlinked:  # a handle of the removed file rewrites it: nothing publishes it
+                    f.unlinked_while_lost = False
+                else:
+                    f.state, f.role = FileState.MODIFIED, FileRole.LOCAL
+                f.lost_reason, f.base = "", ChunkMap()
                 self._notify(f)
             else:
                 await self._begin_change(f)

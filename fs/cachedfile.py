@@ -171,6 +171,9 @@ class CachedFile:
     # publish replaces; never another file put there since.
     replaces_plain: PlainFile | None = None
     lost_reason: str = ""
+    # Removed while LOST: its handles and the inodes the kernel still has
+    # must read EIO, not the zeros its missing pages would give.
+    unlinked_while_lost: bool = False
     publishing: Snapshot | None = None  # the snapshot a commit is publishing
     flushing: Snapshot | None = None  # the snapshot the flusher is storing
     last_access: float = field(default_factory=time.monotonic)
@@ -187,6 +190,12 @@ class CachedFile:
     @property
     def unlinked(self) -> bool:
         return self.state is FileState.UNLINKED
+
+    @property
+    def lost(self) -> bool:
+        """Its bytes are gone (LOST, or removed while LOST): reads fail, and
+        only a full rewrite (truncate to 0) may change it."""
+        return self.state is FileState.LOST or (self.unlinked and self.unlinked_while_lost)
 
     @property
     def modified(self) -> bool:

@@ -509,7 +509,7 @@ class FileSystem:
             raise FsError(errno.EISDIR if inode.kind == "dir" else errno.ELOOP)
         truncate = writable and bool(flags & os.O_TRUNC)
         f = await self._file_for(inode, writable, truncate)
-        if writable and f.state is FileState.LOST and not truncate:
+        if writable and f.lost and not truncate:
             raise FsError(
                 errno.EIO, f"{f.path}: its bytes are lost; only O_TRUNC may rewrite it", True
             )
@@ -522,7 +522,7 @@ class FileSystem:
             )
         fh = self._open_handle(inode, f, writable, caller)
         try:
-            if truncate and (f.size or f.state is FileState.LOST):
+            if truncate and (f.size or f.lost):
                 await self.cache.truncate(f, 0)
         except BaseException:
             await self.release(fh)
@@ -877,7 +877,7 @@ class FileSystem:
         if change.size is not None and change.size > MAX_FILE_SIZE:
             raise FsError(errno.EFBIG, f"{f.path}: size {change.size} beyond the maximum")
         if change.size is not None and change.size != f.size:
-            if f.state is FileState.LOST and change.size:
+            if f.lost and change.size:
                 raise FsError(errno.EIO, f"{f.path}: its bytes are lost; truncate it to 0", True)
             if f.role is FileRole.REMOTE and change.size:
                 raise FsError(errno.EBUSY, f"{f.path}: pending on another node; truncate it to 0")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import shutil
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -503,3 +504,37 @@ def test_an_adopted_plain_file_is_replaced_by_its_publish(h: Harness) -> None:
     close(h, fh)
     assert (h.backing / "plain").read_bytes().startswith(MAGIC)
     assert read_inode(h, ino) == first + b"appended"
+
+
+def test_a_walk_of_a_lost_file_renamed_over_reads_eio_not_zeros(h: Harness) -> None:
+    """A node restarts without its RAM: a file still pending there is LOST
+    (EIO). A path walk resolves its name; the next save renames over it
+    (os.replace). The walk's open then gets the lost file, which must still
+    fail, not read zeros where its bytes were, nor take writes without O_TRUNC."""
+    save(h, "model.pt", random.randbytes(SIZE))  # pending: the flusher has not run
+    h.crash()
+    shutil.rmtree(h.cache_root)  # its RAM is gone, and no other node holds it
+    h.start()
+    fs = h.core.fs
+    ino = h.call(fs.lookup, ROOT, "model.pt").ino  # the walk
+    with pytest.raises(OSError) as exc:
+        read_inode(h, ino)
+    assert exc.value.errno == errno.EIO
+    save(h, "model.pt.tmp", random.randbytes(SIZE))
+    h.call(fs.rename, ROOT, "model.pt.tmp", ROOT, "model.pt", 0)
+    for flags in (os.O_RDONLY, os.O_WRONLY):
+        with pytest.raises(OSError) as exc:
+            fh, _ = h.call(fs.open, ino, flags, CALLER)
+            try:
+                if flags == os.O_RDONLY:
+                    h.call(fs.read, fh, 0, SIZE)
+                else:
+                    h.call(fs.write, fh, 0, b"x")
+            finally:
+                h.call(fs.release, fh)
+        assert exc.value.errno == errno.EIO, flags
+    # A full rewrite through the walk's inode is allowed, as for any lost file.
+    fh, _ = h.call(fs.open, ino, os.O_WRONLY | os.O_TRUNC, CALLER)
+    h.call(fs.write, fh, 0, b"new")
+    assert h.call(fs.read, fh, 0, 10) == b"new"
+    h.call(fs.release, fh)

@@ -336,7 +336,7 @@ class Cache:
             self.journal.drop_later(key)  # recovery rejects it: its manifest is gone
         if f.role is FileRole.LOCAL and f.mirror is not MirrorState.NONE:
             self.on_mirror_done(f.mirror_id, "")  # nothing will publish this content
-        f.unlinked_while_lost = f.state is FileState.LOST
+        f.unlinked_while_lost = f.lost  # (retired twice, it stays so)
         f.state = FileState.UNLINKED
         if self.files.get(f.file_id) is f:
             del self.files[f.file_id]

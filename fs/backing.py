@@ -87,11 +87,17 @@ PARSED = ParsedManifests()
 
 def _entry_at(root: int, rel: str) -> Entry:
     start = time.monotonic()
+    entry = _read_entry(root, rel)
+    entry.read_at = start
+    return entry
+
+
+def _read_entry(root: int, rel: str) -> Entry:
     st = os.stat(rel or ".", dir_fd=root, follow_symlinks=False)
     if stat.S_ISDIR(st.st_mode):
-        return Entry("dir", st, read_at=start)
+        return Entry("dir", st)
     if stat.S_ISLNK(st.st_mode):
-        return Entry("symlink", st, read_at=start)
+        return Entry("symlink", st)
     if stat.S_ISREG(st.st_mode):
         # Opened every time (on NFS the open is what revalidates); read and
         # parsed only when the manifest file is not the one seen before.
@@ -101,8 +107,7 @@ def _entry_at(root: int, rel: str) -> Entry:
             )
         except OSError as exc:
             if exc.errno == errno.ELOOP:  # replaced by a symlink since the stat
-                st = os.stat(rel, dir_fd=root, follow_symlinks=False)
-                return Entry("symlink", st, read_at=start)
+                return Entry("symlink", os.stat(rel, dir_fd=root, follow_symlinks=False))
             raise
         try:
             st = os.fstat(fd)
@@ -111,8 +116,8 @@ def _entry_at(root: int, rel: str) -> Entry:
             raise OSError(errno.EIO, f"unreadable manifest: {exc}") from None
         finally:
             os.close(fd)
-        return Entry("file", st, manifest, start) if manifest else Entry("plain", st, None, start)
-    return Entry("plain", st, read_at=start)
+        return Entry("file", st, manifest) if manifest else Entry("plain", st)
+    return Entry("plain", st)
 
 
 def _list(root: int, rel: str) -> list[tuple[str, Entry]]:

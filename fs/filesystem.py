@@ -247,18 +247,18 @@ class FileSystem:
         if inode.kind == "file" and f is not None and (f.writers or f.modified):
             return self._attr(inode, None)  # being written here: our copy is current
         now = time.monotonic()
+        # The kernel asks after every read (a read invalidates its cached
+        # atime): torch.load's getsize between its two opens would pay a
+        # backing-store round trip. An open file's attributes are our copy's
+        # whatever the name holds now (see _local); a closed one's the last
+        # check's, if it is as recent as an open may reuse.
         if (
             inode.kind == "file"
             and f is not None
             and (seen := self._last_check(inode, f)) is not None
+            and (f.handles or self._recently_checked(inode))
         ):
-            # The kernel asks after every read (a read invalidates its cached
-            # atime): torch.load's getsize between its two opens would pay a
-            # backing-store round trip. An open file's attributes are our
-            # copy's whatever the name holds now (see _local); a closed one's
-            # the last check's, if it is as recent as an open may reuse.
-            if f.handles or self._recently_checked(inode):
-                return self._attr(inode, seen)
+            return self._attr(inode, seen)
         if inode.kind == "dir" and now - inode.dir_attrs_at < DIR_ATTR_REUSE:
             return self._attr(inode, inode.dir_attrs)
         try:

@@ -342,7 +342,7 @@ class MirrorClient:
             # not streamed: the commit sends what the file holds then. Left
             # here, it would keep a dropped file for ever (a partial last
             # page never fills).
-            pages.intersection_update(() if f.state is FileState.UNLINKED else f.pages)
+            pages.intersection_update(() if f.unlinked else f.pages)
             full = sorted(p for p in pages if f.pages[p].fill == self.cache.page_size)
             full = full[:BATCH_PAGES]
             pages.difference_update(full)

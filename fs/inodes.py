@@ -150,8 +150,3 @@ class InodeTable:
 
     def _has_children(self, ino: int) -> bool:
         return any(parent == ino for parent, _ in self.by_name)
-
-    def release_all(self) -> None:
-        """After unmount: the kernel forgets nothing more; drop every reference."""
-        for inode in list(self.by_ino.values()):
-            inode.nlookup = 0

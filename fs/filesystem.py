@@ -460,16 +460,23 @@ class FileSystem:
     ) -> tuple[int, Attr]:
         path = self.inodes.child_path(parent, name)
         f = self.cache.new_file(new_id(), new_id(), path, mode & 0o7777, caller.uid, caller.gid)
-        try:
-            async with self.ns_lock.shared(lambda: self.inodes.child_path(parent, name)) as path:
-                f.path = path
-                # One backing-store call: the parent's setgid, the manifest, its entry.
-                entry, f.gid = await self.backing.create_manifest(
-                    path, self._manifest(f, f.version), caller.uid, caller.gid
-                )
-        except BaseException:
-            self.cache.drop(f)
-            raise
+        # Registered (an open of the name may find it) and MODIFIED with no
+        # writer yet, so `ckptfs flush` would commit it: not before its first
+        # manifest exists, or the commit finds no manifest, takes the name for
+        # gone and drops the file the caller is about to write.
+        async with f.commit_lock:
+            try:
+                async with self.ns_lock.shared(
+                    lambda: self.inodes.child_path(parent, name)
+                ) as path:
+                    f.path = path
+                    # One backing-store call: the parent's setgid, the manifest, its entry.
+                    entry, f.gid = await self.backing.create_manifest(
+                        path, self._manifest(f, f.version), caller.uid, caller.gid
+                    )
+            except BaseException:
+                self.cache.unlink(f)  # nothing publishes it (a waiting commit sees UNLINKED)
+                raise
         inode = self._bind(parent, name, entry)
         self.inodes.attach(inode, f)
         inode.kernel_version = f.version

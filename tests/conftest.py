@@ -206,3 +206,14 @@ def mounted(mounts: Any) -> Mount:
     m = mounts()
     m.mount()
     return m
+
+
+@pytest.fixture
+def h(tmp_path: Path) -> Iterator[Any]:
+    """A ckptfs Core driven without FUSE (lifecycle_harness.py), started."""
+    from lifecycle_harness import Harness
+
+    harness = Harness(tmp_path)
+    harness.start()
+    yield harness
+    harness.close()

@@ -18,8 +18,6 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from ckptfs.fs import backing as backing_mod
@@ -32,14 +30,6 @@ from test_name_races import save
 
 CALLER = Caller(0, 0)
 SIZE = 5 * 4096 + 17
-
-
-@pytest.fixture
-def h(tmp_path: Path) -> Iterator[Harness]:
-    harness = Harness(tmp_path)
-    harness.start()
-    yield harness
-    harness.close()
 
 
 class StatCounter:

@@ -22,7 +22,6 @@ import random
 import shutil
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,14 +35,6 @@ from lifecycle_harness import Harness, audit
 
 CALLER = Caller(0, 0)
 SIZE = 5 * 4096 + 17  # pages of the harness's 4 KiB slots, the last one partial
-
-
-@pytest.fixture
-def h(tmp_path: Path):
-    harness = Harness(tmp_path)
-    harness.start()
-    yield harness
-    harness.close()
 
 
 def save(h: Harness, name: str, data: bytes) -> int:

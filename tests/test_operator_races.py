@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,14 +30,6 @@ from lifecycle_harness import BACKGROUND, Harness, audit
 from test_name_races import name_reads
 
 CALLER = Caller(0, 0)
-
-
-@pytest.fixture
-def h(tmp_path: Path):
-    harness = Harness(tmp_path)
-    harness.start()
-    yield harness
-    harness.close()
 
 
 def create_during(h: Harness, operator: Callable[[], Awaitable[Any]], name: str) -> int:

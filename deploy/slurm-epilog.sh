@@ -19,10 +19,13 @@ cache_has_data() {
 }
 
 job_umount() {
-    local out status
+    local out status umount_cmd=("$CKPTFS_SLURM_BIN" umount "$JOB_MNT")
+    # The config may set run_dir, where the daemon's control socket is.
+    if [ -r "$CKPTFS_SLURM_CONFIG" ]; then
+        umount_cmd+=(--config "$CKPTFS_SLURM_CONFIG")
+    fi
     out=$(mktemp) || die "mktemp failed"
-    timeout --kill-after=10 "$CKPTFS_SLURM_UMOUNT_TIMEOUT" \
-        "$CKPTFS_SLURM_BIN" umount "$JOB_MNT" >"$out" 2>&1 </dev/null
+    timeout --kill-after=10 "$CKPTFS_SLURM_UMOUNT_TIMEOUT" "${umount_cmd[@]}" >"$out" 2>&1 </dev/null
     status=$?
     if [ "$status" -eq 0 ] && ! in_mount_table "$JOB_MNT"; then
         rm -f -- "$out"

@@ -171,3 +171,28 @@ def test_config_precedence(tmp_path):
     assert c.cache_size == 2 << 30 and c.flush_workers == 7
     with pytest.raises(ConfigError, match="durability"):
         load_config(None, {"durability": "buddy"}, environ={})
+
+
+def test_a_run_dir_set_in_the_config_file_is_where_every_command_looks(mounts, tmp_path):
+    """`run_dir:` in the YAML file, no CKPTFS_RUN_DIR: `ckptfs mount` used to
+    ping /run/ckptfs for 60 s, then SIGKILL the daemon that had mounted fine,
+    leaving a dead mount; the other commands could not find it either."""
+    from ckptfs.fs.manifest import read_manifest
+    from conftest import is_mounted
+
+    m = mounts("cfg")
+    del m.env["CKPTFS_RUN_DIR"]
+    config = tmp_path / "ckptfs.yaml"
+    config.write_text(f"run_dir: {m.run_dir}\n")
+    m.mount("--config", str(config))
+    data = os.urandom(3 << 20)
+    (m.mnt / "ckpt.pt").write_bytes(data)
+    stat = m.cli("stat", str(m.mnt), "--json", "--config", str(config))
+    assert "ckpt.pt" in stat.stdout
+    m.cli("flush", str(m.mnt), "--wait", "--config", str(config))
+    # Without the config file the command looks in the default place: a clear error.
+    assert_one_line_error(m.cli("stat", str(m.mnt), check=False), "no ckptfs daemon answers")
+    m.cli("umount", str(m.mnt), "--config", str(config))
+    assert not is_mounted(m.mnt)
+    manifest = read_manifest(m.backing / "ckpt.pt")
+    assert manifest is not None and manifest.state == "durable" and manifest.size == len(data)

@@ -22,7 +22,7 @@ from ckptfs.fs.preflight import (
 )
 
 from . import offline_cli
-from .control import ControlError, daemon_pid, find_mount, request
+from .control import ControlError, daemon_pid, find_mount, request, run_dir
 from .offline_cli import OfflineError
 from .statfmt import format_stat
 
@@ -94,17 +94,31 @@ def _spawn_daemon(args: argparse.Namespace, mountpoint: Path, run_dir: Path, log
             )
         if is_mounted(mountpoint):
             try:
-                reply = request(mountpoint, {"op": "ping"}, timeout=5)
+                reply = request(mountpoint, {"op": "ping"}, timeout=5, run=run_dir)
             except ControlError:
                 reply = {}
             if reply.get("ok"):
                 print(f"mounted {mountpoint} (pid {child.pid}, log {log_file})")
                 return 0
         time.sleep(0.05)
-    child.kill()
+    _stop_unready(child, mountpoint)
     raise CliError(
         f"mount of {mountpoint} did not become ready within {MOUNT_TIMEOUT:.0f}s (see {log_file})"
     )
+
+
+def _stop_unready(child: subprocess.Popen[bytes], mountpoint: Path) -> None:
+    """Stop a daemon that never answered, leaving no mount behind: SIGTERM
+    (it unmounts; nothing was written through it), then SIGKILL and a lazy
+    unmount, since a killed daemon leaves its mount dead (ENOTCONN)."""
+    child.terminate()
+    try:
+        child.wait(10)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait(10)
+    if is_mounted(mountpoint):
+        subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False)
 
 
 def _last_error(log_file: Path, offset: int) -> str:
@@ -131,12 +145,14 @@ def cmd_umount(args: argparse.Namespace) -> int:
             pass
     if not is_mounted(mountpoint):
         raise CliError(f"{mountpoint} is not mounted")
-    pid = daemon_pid(mountpoint)
+    run = run_dir(args.config)
+    pid = daemon_pid(mountpoint, run)
     try:
         reply = request(
             mountpoint,
             {"op": "unmount", "timeout": args.timeout, "force": args.force},
             timeout=None,
+            run=run,
         )
     except ControlError as exc:
         if not args.force:
@@ -176,9 +192,14 @@ def _daemon_for(path: str | None) -> tuple[Path, str]:
         raise CliError(str(exc)) from None
 
 
-def _ask(mountpoint: Path, payload: dict[str, Any], timeout: float | None = 30) -> dict[str, Any]:
+def _ask(
+    args: argparse.Namespace,
+    mountpoint: Path,
+    payload: dict[str, Any],
+    timeout: float | None = 30,
+) -> dict[str, Any]:
     try:
-        reply = request(mountpoint, payload, timeout)
+        reply = request(mountpoint, payload, timeout, run=run_dir(args.config))
     except ControlError as exc:
         raise CliError(str(exc)) from None
     return reply
@@ -187,7 +208,7 @@ def _ask(mountpoint: Path, payload: dict[str, Any], timeout: float | None = 30) 
 def cmd_stat(args: argparse.Namespace) -> int:
     mountpoint, rel = _daemon_for(args.path)
     while True:
-        reply = _ask(mountpoint, {"op": "stat", "path": rel})
+        reply = _ask(args, mountpoint, {"op": "stat", "path": rel})
         if not reply.get("ok"):
             raise CliError(reply.get("error", "stat failed"))
         reply.pop("ok")
@@ -214,6 +235,7 @@ def _refusal(reply: dict[str, Any]) -> str:
 def cmd_flush(args: argparse.Namespace) -> int:
     mountpoint, rel = _daemon_for(args.path)
     reply = _ask(
+        args,
         mountpoint,
         {"op": "flush", "path": rel, "wait": args.wait, "timeout": args.timeout},
         timeout=None if args.wait else 30,
@@ -227,7 +249,7 @@ def cmd_flush(args: argparse.Namespace) -> int:
 
 def cmd_evict(args: argparse.Namespace) -> int:
     mountpoint, rel = _daemon_for(args.path)
-    reply = _ask(mountpoint, {"op": "evict", "path": rel})
+    reply = _ask(args, mountpoint, {"op": "evict", "path": rel})
     if not reply.get("ok"):
         raise CliError(reply.get("error", "evict failed"))
     kept = reply.get("not_durable", [])
@@ -236,6 +258,12 @@ def cmd_evict(args: argparse.Namespace) -> int:
         + (f"; kept {len(kept)} file(s) that are not durable yet" if kept else "")
     )
     return 0
+
+
+CONFIG_HELP = (
+    "the config file the mount used, if it sets run_dir (where the control sockets are; "
+    "CKPTFS_RUN_DIR overrides it)"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -261,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="unmount even if the flush fails (dirty data stays in the tmpfs cache)",
     )
+    p.add_argument("--config", help=CONFIG_HELP)
     p.set_defaults(func=cmd_umount)
 
     p = sub.add_parser("stat", help="cache, per-file state, flush and backing-store status")
@@ -268,16 +297,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--watch", action="store_true", help="refresh until interrupted")
     p.add_argument("--interval", type=float, default=1.0)
+    p.add_argument("--config", help=CONFIG_HELP)
     p.set_defaults(func=cmd_stat)
 
     p = sub.add_parser("flush", help="start (and wait for) persistence under PATH")
     p.add_argument("path", nargs="?")
     p.add_argument("--wait", action="store_true")
     p.add_argument("--timeout", type=float)
+    p.add_argument("--config", help=CONFIG_HELP)
     p.set_defaults(func=cmd_flush)
 
     p = sub.add_parser("evict", help="drop durable cached bytes under PATH from RAM")
     p.add_argument("path", nargs="?")
+    p.add_argument("--config", help=CONFIG_HELP)
     p.set_defaults(func=cmd_evict)
 
     offline_cli.register(sub)

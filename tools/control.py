@@ -8,6 +8,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from ckptfs.fs.config import load_config
 from ckptfs.fs.preflight import run_files
 
 FSTYPE = "fuse.ckptfs"
@@ -17,8 +18,18 @@ class ControlError(Exception):
     pass
 
 
-def run_dir() -> Path:
-    return Path(os.environ.get("CKPTFS_RUN_DIR", "/run/ckptfs"))
+DEFAULT_RUN_DIR = Path("/run/ckptfs")
+
+
+def run_dir(config: str | None = None) -> Path:
+    """Where the daemons' control sockets are, resolved as the daemon resolves
+    it: CKPTFS_RUN_DIR, else the ``run_dir`` of the config file the mount
+    used (``--config``), else /run/ckptfs."""
+    if "CKPTFS_RUN_DIR" in os.environ:
+        return Path(os.environ["CKPTFS_RUN_DIR"])
+    if config is not None:
+        return load_config(config).run_dir
+    return DEFAULT_RUN_DIR
 
 
 def ckptfs_mounts() -> list[Path]:
@@ -64,9 +75,11 @@ def _innermost(target: Path, mounts: list[Path]) -> tuple[Path, str] | None:
 
 
 def request(
-    mountpoint: Path, payload: dict[str, Any], timeout: float | None = 30
+    mountpoint: Path, payload: dict[str, Any], timeout: float | None = 30, run: Path | None = None
 ) -> dict[str, Any]:
-    sock_path, _, _ = run_files(run_dir(), mountpoint)
+    """One request to the daemon of ``mountpoint``, whose control socket is in
+    ``run`` (default: ``run_dir()``)."""
+    sock_path, _, _ = run_files(run or run_dir(), mountpoint)
     try:
         data = exchange(sock_path, payload, timeout)
     except (FileNotFoundError, ConnectionRefusedError):
@@ -95,8 +108,8 @@ def exchange(sock_path: Path, payload: dict[str, Any], timeout: float | None) ->
     return data
 
 
-def daemon_pid(mountpoint: Path) -> int | None:
-    _, pid_path, _ = run_files(run_dir(), mountpoint)
+def daemon_pid(mountpoint: Path, run: Path | None = None) -> int | None:
+    _, pid_path, _ = run_files(run or run_dir(), mountpoint)
     try:
         return int(pid_path.read_text().strip())
     except (OSError, ValueError):

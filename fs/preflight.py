@@ -19,8 +19,19 @@ def is_mounted(path: Path) -> bool:
 
 
 def check_mountpoint(mountpoint: Path) -> Path:
-    if not mountpoint.exists():
-        raise MountError(f"mountpoint {mountpoint} does not exist")
+    try:
+        os.stat(mountpoint)
+    except FileNotFoundError:
+        raise MountError(f"mountpoint {mountpoint} does not exist") from None
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            # A daemon that died leaves its mount behind, answering nothing.
+            raise MountError(
+                f"mountpoint {mountpoint} is a dead ckptfs mount (its daemon is gone): "
+                f"detach it with `fusermount3 -u -z {mountpoint}`, then mount again "
+                "with the same cache dir to recover what was not yet durable"
+            ) from None
+        raise MountError(f"mountpoint {mountpoint}: {exc.strerror}") from None
     if not mountpoint.is_dir():
         raise MountError(f"mountpoint {mountpoint} is not a directory")
     if is_mounted(mountpoint):

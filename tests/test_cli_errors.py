@@ -66,6 +66,19 @@ def test_mountpoint_already_mounted(mounted):
     assert_one_line_error(proc, "already mounted")
 
 
+def test_mountpoint_left_dead_by_a_killed_daemon(mounted):
+    """It was a Python traceback (ENOTCONN from the mountpoint's stat)."""
+    import signal
+    import time
+
+    os.kill(mounted.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{mounted.pid}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc = run("mount", str(mounted.mnt), "--backing", str(mounted.backing), env=mounted.env)
+    assert_one_line_error(proc, "dead ckptfs mount", "fusermount3 -u -z", str(mounted.mnt))
+
+
 def test_backing_missing(dirs, tmp_path):
     mnt, _, env = dirs
     proc = run("mount", str(mnt), "--backing", str(tmp_path / "gone"), env=env)

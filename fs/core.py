@@ -159,7 +159,7 @@ class Core:
         count = 0
         for f in self.fs.files_under(prefix):
             if f.state is FileState.MODIFIED and not f.writers:
-                await self.fs.commit(f)
+                await self.fs.commit(f, only_closed=True)
             if f.owes_flush:
                 self.flusher.enqueue(f)
                 count += 1

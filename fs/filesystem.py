@@ -464,8 +464,8 @@ class FileSystem:
         # writer yet, so `ckptfs flush` would commit it: not before its first
         # manifest exists, or the commit finds no manifest, takes the name for
         # gone and drops the file the caller is about to write.
-        async with f.commit_lock:
-            try:
+        try:  # around the lock too: a cancelled acquire must not leave f behind
+            async with f.commit_lock:
                 async with self.ns_lock.shared(
                     lambda: self.inodes.child_path(parent, name)
                 ) as path:
@@ -474,9 +474,9 @@ class FileSystem:
                     entry, f.gid = await self.backing.create_manifest(
                         path, self._manifest(f, f.version), caller.uid, caller.gid
                     )
-            except BaseException:
-                self.cache.unlink(f)  # nothing publishes it (a waiting commit sees UNLINKED)
-                raise
+        except BaseException:
+            self.cache.unlink(f)  # nothing publishes it (a waiting commit sees UNLINKED)
+            raise
         inode = self._bind(parent, name, entry)
         self.inodes.attach(inode, f)
         inode.kernel_version = f.version
@@ -633,20 +633,20 @@ class FileSystem:
         f = self.cache.new_file(new_id(), new_id(), path, st.st_mode & 0o7777, st.st_uid, st.st_gid)
         # Registered, so `ckptfs flush --wait` may commit it: not before its
         # copy is whole and it knows which plain file it replaces.
-        async with f.commit_lock:
-            try:
+        try:  # around the lock too: a cancelled acquire must not leave f behind
+            async with f.commit_lock:
                 if not truncate:  # its old bytes are kept (spillable while MODIFIED)
                     await self._copy_plain(f, path, plain)
                 if inode.unlinked:  # removed or renamed over while it was copied
                     raise FsError(errno.ESTALE, f"{path}: its name was removed")
-            except BaseException:
-                self.cache.unlink(f)  # nothing publishes it (a waiting commit sees UNLINKED)
-                raise
-            f.mtime_ns, f.atime_ns = st.st_mtime_ns, st.st_atime_ns
-            f.replaces_plain = plain  # the plain file stays until the first publish
-            inode.kind = "file"
-            self.inodes.attach(inode, f)
-            inode.ident = ("file", f.file_id)
+                f.mtime_ns, f.atime_ns = st.st_mtime_ns, st.st_atime_ns
+                f.replaces_plain = plain  # the plain file stays until the first publish
+                inode.kind = "file"
+                self.inodes.attach(inode, f)
+                inode.ident = ("file", f.file_id)
+        except BaseException:
+            self.cache.unlink(f)  # nothing publishes it (a waiting commit sees UNLINKED)
+            raise
         return f
 
     async def _copy_plain(self, f: CachedFile, path: str, plain: PlainFile) -> None:
@@ -722,9 +722,13 @@ class FileSystem:
         if not handle.inode.nlookup and not handle.inode.opens:
             self.forget(handle.inode.ino, 0)
 
-    async def commit(self, f: CachedFile) -> None:
-        """Publish what has changed and queue it; wait at `backing` durability."""
+    async def commit(self, f: CachedFile, *, only_closed: bool = False) -> None:
+        """Publish what has changed and queue it; wait at `backing` durability.
+        ``only_closed``: not if a writer has it open by the time it is our turn
+        (`ckptfs flush` leaves open files to their close)."""
         async with f.commit_lock:
+            if only_closed and f.writers:
+                return
             if f.state is FileState.MODIFIED:
                 await self._publish_content(f)
         if self.config.durability == "backing" and f.state is not FileState.UNLINKED:

@@ -106,6 +106,8 @@ def test_a_flush_while_files_are_created_keeps_them(h: Harness, command: str) ->
             fh = create_during(h, lambda: core.drain("", 60), name + ".tmp")
         f = core.fs.handles[fh].file
         assert f is not None and not f.unlinked, f"round {i}: the file being created was dropped"
+        if command == "flush":  # leaves a file open for writing to its close
+            assert f.state is FileState.MODIFIED, f"round {i}: committed while open: {f.state}"
         write_close(h, fh, data)
         assert f.state in (FileState.PENDING, FileState.DURABLE), (i, f.state)
         # torch.save's os.replace, then a resume that reads it

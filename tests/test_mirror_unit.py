@@ -21,7 +21,7 @@ from ckptfs.fs.chunkstore import ChunkStore
 from ckptfs.fs.journal import Journal
 from ckptfs.fs.manifest import MAGIC, Manifest, read_manifest, write_manifest
 from ckptfs.fs.state import FileRole, FileState, Published
-from ckptfs.peer.mirror import PAGE, MirrorClient, MirrorServer
+from ckptfs.peer.mirror import PAGE, MirrorClient, MirrorServer, page_digest
 from ckptfs.peer.transport import Request
 
 MiB = 1 << 20
@@ -142,6 +142,11 @@ def test_a_publish_that_finds_the_name_aside_waits_for_the_fence(tmp_path: Path,
     assert (takeover, writer) == (Published.DONE, Published.DONE)
 
 
+def entry(page: int, gen: int, data: bytes) -> list[int]:
+    """A batch's entry for a page: (page, generation, fill, digest)."""
+    return [page, gen, len(data), page_digest(data, page, gen)]
+
+
 def make_cache(tmp_path: Path, name: str = "n2") -> Cache:
     arena = Arena(tmp_path / f"arena-{name}", 8 * MiB)
     store = ChunkStore(tmp_path / "backing")
@@ -236,16 +241,21 @@ def test_a_batch_of_pages_is_held_up_to_the_quota_and_malformed_batches_change_n
             return Request(PAGE, meta, memoryview(payload))
 
         for batch, payload in (
-            ([[0, 1, MiB], [0, 2, MiB]], pages[0] + pages[1]),  # a page twice
-            ([[0, 1, MiB], [1, 1, MiB]], pages[0]),  # sizes do not add up
-            ([[0, 1, 2 * MiB]], pages[0] + pages[1]),  # over the page size
+            ([entry(0, 1, pages[0]), entry(0, 2, pages[1])], pages[0] + pages[1]),  # twice
+            ([entry(0, 1, pages[0]), entry(1, 1, pages[1])], pages[0]),  # sizes do not add up
+            (
+                [[0, 1, 2 * MiB, page_digest(pages[0] + pages[1], 0, 1)]],
+                pages[0] + pages[1],
+            ),  # too big
+            ([[0, 1, MiB]], pages[0]),  # no digest
             ([], b""),
         ):
             response = await server.handle("n1", request(batch, payload))
             assert not response.ok
             assert cache.mirror_slots == 0 and "m1" not in cache.mirrors
         # Four pages against a quota of three: the first three are held, in order.
-        batch = [[0, 1, MiB], [1, 2, MiB], [2, 3, MiB // 2], [3, 4, MiB]]
+        batch = [entry(0, 1, pages[0]), entry(1, 2, pages[1]), entry(2, 3, pages[2])]
+        batch.append(entry(3, 4, pages[0]))
         response = await server.handle("n1", request(batch, b"".join(pages) + pages[0]))
         assert response.ok and response.meta["held"] == [0, 1, 2] and response.meta["busy"]
         m = Manifest("f1", "v1", 2 * MiB + MiB // 2, 0o644, 1, "pending", ["n1", "n2"])
@@ -256,7 +266,7 @@ def test_a_batch_of_pages_is_held_up_to_the_quota_and_malformed_batches_change_n
         # A batch that may wait for room waits once, not once per page: well
         # inside the writer's request timeout (0.2 s here).
         meta = {"mid": "m2", "file_id": "f2", "wait": True}
-        meta["pages"] = [[p, 1, MiB] for p in range(4)]
+        meta["pages"] = [entry(p, 1, pages[0]) for p in range(4)]
         start = trio.current_time()
         response = await server.handle("n1", Request(PAGE, meta, memoryview(pages[0] * 4)))
         assert response.ok and response.meta["held"] == [] and response.meta["busy"]
@@ -292,12 +302,12 @@ def test_a_batch_is_received_straight_into_reserved_slots_and_older_generations_
                 placement.release()
 
         used = cache.arena.used_slots
-        response = await receive("m1", [[0, 10, MiB], [1, 11, MiB // 3]], new0 + new1)
+        response = await receive("m1", [entry(0, 10, new0), entry(1, 11, new1)], new0 + new1)
         assert response.ok and response.meta["held"] == [0, 1]
         assert cache.mirror_slots == 2 and cache.mirror_reserved == 0
         assert cache.arena.used_slots == used + 2
         # A late batch of an older generation changes nothing, whichever way it came.
-        response = await receive("m1", [[0, 9, MiB]], old0)
+        response = await receive("m1", [entry(0, 9, old0)], old0)
         assert response.ok and response.meta["held"] == [0]
         assert await cache.mirror_page("n1", "m1", "f1", 0, 8, memoryview(old0), timeout=1)
         assert cache.mirror_slots == 2 and cache.arena.used_slots == used + 2
@@ -309,14 +319,15 @@ def test_a_batch_is_received_straight_into_reserved_slots_and_older_generations_
         # No room for the whole batch now, not the writer's buddy, or malformed:
         # nothing is reserved, and the handler answers as before.
         assert (
-            server.place("n1", PAGE, meta("m2", [[p, 1, MiB] for p in range(3)]), 3 * MiB) is None
+            server.place("n1", PAGE, meta("m2", [[p, 1, MiB, 0] for p in range(3)]), 3 * MiB)
+            is None
         )
-        assert server.place("n3", PAGE, meta("m2", [[0, 1, MiB]]), MiB) is None
-        assert server.place("n1", PAGE, meta("m2", [[0, 1, MiB]]), MiB - 1) is None
+        assert server.place("n3", PAGE, meta("m2", [[0, 1, MiB, 0]]), MiB) is None
+        assert server.place("n1", PAGE, meta("m2", [[0, 1, MiB, 0]]), MiB - 1) is None
         assert cache.mirror_reserved == 0
         # A payload that never arrived, or a mirror that is not the sender's to
         # change: the reserved slots go back.
-        placement = server.place("n1", PAGE, meta("m2", [[0, 1, MiB], [1, 2, 5]]), MiB + 5)
+        placement = server.place("n1", PAGE, meta("m2", [[0, 1, MiB, 0], [1, 2, 5, 0]]), MiB + 5)
         assert placement is not None and cache.mirror_reserved == 2
         placement.release()
         assert cache.mirror_reserved == 0 and cache.arena.used_slots == used + 2
@@ -328,11 +339,11 @@ def test_a_batch_is_received_straight_into_reserved_slots_and_older_generations_
             raise OSError(errno.ENOSPC, "No space left on device")
 
         cache.arena.back = no_memory  # type: ignore[method-assign]
-        assert server.place("n1", PAGE, meta("m2", [[0, 1, MiB]]), MiB) is None
+        assert server.place("n1", PAGE, meta("m2", [[0, 1, MiB, 0]]), MiB) is None
         assert cache.mirror_reserved == 0 and cache.arena.used_slots == used + 2
         cache.arena.back = real_back  # type: ignore[method-assign]
         held.origin = "n9"
-        response = await receive("m1", [[0, 12, MiB]], new0)
+        response = await receive("m1", [entry(0, 12, new0)], new0)
         assert not response.ok and "not n1's to change" in str(response.error)
         assert cache.mirror_reserved == 0 and cache.arena.used_slots == used + 2
 
@@ -495,5 +506,59 @@ def test_a_dropped_file_is_not_kept_waiting_for_its_partial_page_to_fill(tmp_pat
         cache.unlink(kept)
         assert client._take_full_batch() is None
         assert client._changed == {}
+
+    trio.run(main)
+
+
+def test_a_page_damaged_on_the_way_is_not_held_and_the_writer_is_told(tmp_path: Path):
+    """DESIGN: every peer transfer is verified by its hash. A mirrored page
+    whose bytes do not match the digest the writer sent is not held (nor
+    any page after it in the batch); the reply names it, so the writer
+    sends it again, and a takeover can never flush bytes nobody wrote."""
+
+    async def main() -> None:
+        cache = make_cache(tmp_path)
+        cache.mirror_quota = 8
+        server = buddy_of_n1(cache)
+        good, bad, after = os.urandom(MiB), os.urandom(MiB), os.urandom(MiB // 2)
+        damaged = bytearray(bad)
+        damaged[12345] ^= 0x40
+        batch = [entry(0, 1, good), entry(1, 2, bad), entry(2, 3, after)]
+        payload = good + bytes(damaged) + after
+        meta = {"mid": "m1", "file_id": "f1", "pages": batch, "wait": False}
+        used = cache.arena.used_slots
+
+        # Buffered (no room reserved up front) ...
+        response = await server.handle("n1", Request(PAGE, dict(meta), memoryview(payload)))
+        assert response.ok and response.meta["held"] == [0] and response.meta["damaged"] == 1
+        assert cache.mirror_slots == 1
+
+        # ... and straight into reserved slots.
+        meta["mid"] = "m2"
+        placement = server.place("n1", PAGE, dict(meta), len(payload))
+        assert placement is not None
+        pos = 0
+        for view in placement.views:
+            view[:] = payload[pos : pos + len(view)]
+            pos += len(view)
+        try:
+            request = Request(PAGE, dict(meta), memoryview(b""), 1, placement)
+            response = await server.handle("n1", request)
+        finally:
+            placement.release()
+        assert response.ok and response.meta["held"] == [0] and response.meta["damaged"] == 1
+        assert cache.mirror_slots == 2 and cache.mirror_reserved == 0
+        assert cache.arena.used_slots == used + 2
+
+        # Sent again intact, the rest is held; the mirror is the writer's bytes.
+        response = await server.handle(
+            "n1", Request(PAGE, {**meta, "pages": batch[1:]}, memoryview(bad + after))
+        )
+        assert response.ok and response.meta["held"] == [1, 2] and "damaged" not in response.meta
+        m = Manifest("f1", "v1", 2 * MiB + MiB // 2, 0o644, 1, "pending", ["n1", "n2"])
+        ram = {0: (1, MiB), 1: (2, MiB), 2: (3, MiB // 2)}
+        assert cache.mirror_commit("n1", "m2", m, "a.pt", 0, 0, ram, {}, ChunkMap()) == []
+        held = cache.mirrors["m2"]
+        assert bytes(await cache.read(held, 0, held.size)) == good + bad + after
 
     trio.run(main)

@@ -55,6 +55,11 @@ def format_stat(s: dict[str, Any]) -> str:
             f"mirror:  to {writer['buddy']}: {writer['commits']} file(s) mirrored, "
             f"{human(writer['bytes_sent'])} sent, {writer['fallbacks']} fell back to local"
             + (f" (last: {writer['fallback_paths'][-1]})" if writer["fallback_paths"] else "")
+            + (
+                f", {writer['pages_damaged']} page(s) arrived damaged and were sent again"
+                if writer.get("pages_damaged")
+                else ""
+            )
         )
     if mirroring.get("buddy_for"):
         lines.append(

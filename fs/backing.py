@@ -50,7 +50,7 @@ class Entry:
         m = self.manifest
         if m is None or not (m.chunks or m.holders):
             return self
-        return Entry(self.kind, self.st, replace(m, chunks=[], holders=[]), self.read_at)
+        return replace(self, manifest=replace(m, chunks=[], holders=[]))
 
     @property
     def ident(self) -> tuple[str, object]:

@@ -520,18 +520,11 @@ def page_digest(data: memoryview | bytes, page: int, gen: int) -> int:
     return xxhash.xxh3_64_intdigest(data, seed=((page << 32) ^ gen) & 0xFFFF_FFFF_FFFF_FFFF)
 
 
-def _first_damaged(views: list[memoryview], pages: list[tuple[int, int, int, int]]) -> int | None:
-    """The index of the first page whose bytes do not match their digest."""
-    for i, (view, (p, gen, _fill, digest)) in enumerate(zip(views, pages, strict=True)):
-        if page_digest(view, p, gen) != digest:
-            return i
-    return None
-
-
 class _ReceivedPages:
     """A batch received straight into arena slots reserved for it: its
-    (page, generation, fill) and one slot per page, in order. ``hold`` makes
-    them the mirror's pages; ``release`` gives back the slots not taken."""
+    (page, generation, fill, digest), one slot per page in order, and the
+    views of those slots the transport receives into. ``hold`` makes them
+    the mirror's pages; ``release`` gives back the slots not taken."""
 
     def __init__(
         self, cache: Cache, pages: list[tuple[int, int, int, int]], slots: list[int]
@@ -539,7 +532,20 @@ class _ReceivedPages:
         self.cache = cache
         self.pages = pages
         self.slots = slots
+        self.views = [
+            cache.arena.slot_view(slot, 0, fill)
+            for slot, (_p, _gen, fill, _digest) in zip(slots, pages, strict=True)
+        ]
         self.taken = 0
+
+    def first_damaged(self) -> int | None:
+        """The index of the first page whose bytes do not match their digest."""
+        for i, (view, (p, gen, _fill, digest)) in enumerate(
+            zip(self.views, self.pages, strict=True)
+        ):
+            if page_digest(view, p, gen) != digest:
+                return i
+        return None
 
     def hold(self, origin: str, mid: str, file_id: str, count: int) -> list[int]:
         """Hold the first ``count`` pages (the rest: see ``release``)."""
@@ -632,11 +638,7 @@ class MirrorServer:
             log.warning("receiving a batch from %s into the buffer instead: %s", peer, exc)
             return None  # the buffered path writes with pwrite: ENOSPC, an error reply
         received = _ReceivedPages(self.cache, pages, slots)
-        views = [
-            self.cache.arena.slot_view(slot, 0, fill)
-            for slot, (_p, _gen, fill, _digest) in zip(slots, pages, strict=True)
-        ]
-        return Placement(views, received.release, received)
+        return Placement(received.views, received.release, received)
 
     def _batch(self, meta: dict[str, Any], size: int) -> list[tuple[int, int, int, int]]:
         """The (page, generation, fill, digest) of a batch; ValueError if malformed."""
@@ -666,14 +668,9 @@ class MirrorServer:
         damaged: int | None = None  # the first page whose bytes do not match its digest
         if isinstance(received, _ReceivedPages):  # validated by place()
             pages = received.pages
-            arena = self.cache.arena
-            views = [
-                arena.slot_view(slot, 0, fill)
-                for slot, (_p, _gen, fill, _d) in zip(received.slots, pages, strict=True)
-            ]
             # On the loop (about 0.8 ms for a batch of 8 MiB): between
             # receiving and holding no other request may run (see _commit).
-            bad = _first_damaged(views, pages)
+            bad = received.first_damaged()
             if bad is not None:
                 damaged = pages[bad][0]
             held = received.hold(peer, mid, file_id, len(pages) if bad is None else bad)

@@ -63,7 +63,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     return _spawn_daemon(args, mountpoint, config.run_dir, config.log_file)
 
 
-def _spawn_daemon(args: argparse.Namespace, mountpoint: Path, run_dir: Path, log_file: Path) -> int:
+def _spawn_daemon(args: argparse.Namespace, mountpoint: Path, run: Path, log_file: Path) -> int:
     argv = [sys.executable, "-m", "ckptfs", "mount", str(mountpoint), "--foreground"]
     # The daemon runs with cwd "/": relative paths are resolved here.
     if args.config is not None:
@@ -72,9 +72,9 @@ def _spawn_daemon(args: argparse.Namespace, mountpoint: Path, run_dir: Path, log
         value = getattr(args, dest)
         if value is not None:
             argv += [flag, str(Path(value).resolve()) if is_path else value]
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run.mkdir(parents=True, exist_ok=True)
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "CKPTFS_DAEMONIZED": "1", "CKPTFS_RUN_DIR": str(run_dir)}
+    env = {**os.environ, "CKPTFS_DAEMONIZED": "1", "CKPTFS_RUN_DIR": str(run)}
     start_offset = log_file.stat().st_size if log_file.exists() else 0
     with open(log_file, "ab") as log_out:
         child = subprocess.Popen(
@@ -94,7 +94,7 @@ def _spawn_daemon(args: argparse.Namespace, mountpoint: Path, run_dir: Path, log
             )
         if is_mounted(mountpoint):
             try:
-                reply = request(mountpoint, {"op": "ping"}, timeout=5, run=run_dir)
+                reply = request(mountpoint, {"op": "ping"}, timeout=5, run=run)
             except ControlError:
                 reply = {}
             if reply.get("ok"):
@@ -118,7 +118,12 @@ def _stop_unready(child: subprocess.Popen[bytes], mountpoint: Path) -> None:
         child.kill()
         child.wait(10)
     if is_mounted(mountpoint):
-        subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False)
+        _detach(mountpoint)
+
+
+def _detach(mountpoint: Path) -> None:
+    """Lazy unmount: the mount goes now, whatever still uses it."""
+    subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False)
 
 
 def _last_error(log_file: Path, offset: int) -> str:
@@ -161,7 +166,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
     if not reply.get("ok"):
         if not args.force:
             raise CliError(f"not unmounted: {_refusal(reply)}")
-        subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False)
+        _detach(mountpoint)
     _wait_gone(mountpoint, pid, 60)
     print(f"unmounted {mountpoint}")
     return 0
@@ -193,13 +198,10 @@ def _daemon_for(path: str | None) -> tuple[Path, str]:
 
 
 def _ask(
-    args: argparse.Namespace,
-    mountpoint: Path,
-    payload: dict[str, Any],
-    timeout: float | None = 30,
+    run: Path, mountpoint: Path, payload: dict[str, Any], timeout: float | None = 30
 ) -> dict[str, Any]:
     try:
-        reply = request(mountpoint, payload, timeout, run=run_dir(args.config))
+        reply = request(mountpoint, payload, timeout, run=run)
     except ControlError as exc:
         raise CliError(str(exc)) from None
     return reply
@@ -207,8 +209,9 @@ def _ask(
 
 def cmd_stat(args: argparse.Namespace) -> int:
     mountpoint, rel = _daemon_for(args.path)
+    run = run_dir(args.config)
     while True:
-        reply = _ask(args, mountpoint, {"op": "stat", "path": rel})
+        reply = _ask(run, mountpoint, {"op": "stat", "path": rel})
         if not reply.get("ok"):
             raise CliError(reply.get("error", "stat failed"))
         reply.pop("ok")
@@ -235,7 +238,7 @@ def _refusal(reply: dict[str, Any]) -> str:
 def cmd_flush(args: argparse.Namespace) -> int:
     mountpoint, rel = _daemon_for(args.path)
     reply = _ask(
-        args,
+        run_dir(args.config),
         mountpoint,
         {"op": "flush", "path": rel, "wait": args.wait, "timeout": args.timeout},
         timeout=None if args.wait else 30,
@@ -249,7 +252,7 @@ def cmd_flush(args: argparse.Namespace) -> int:
 
 def cmd_evict(args: argparse.Namespace) -> int:
     mountpoint, rel = _daemon_for(args.path)
-    reply = _ask(args, mountpoint, {"op": "evict", "path": rel})
+    reply = _ask(run_dir(args.config), mountpoint, {"op": "evict", "path": rel})
     if not reply.get("ok"):
         raise CliError(reply.get("error", "evict failed"))
     kept = reply.get("not_durable", [])

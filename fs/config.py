@@ -102,6 +102,10 @@ class Config:
     # (seconds): one backing-store round trip less each (torch.load's mmap
     # reopen, and its getsize after a read). 0: every open re-reads.
     open_recheck: float = 0.05
+    # While FUSE requests flow, and for this long after the last (seconds),
+    # keep idle CPUs quick to wake (fs/cpulatency.py). 0 (the default): never;
+    # it changes the whole machine's idle behaviour, an operator's choice.
+    cpu_latency_hold: float = 0.0
     backing_timeout: float = 120.0
     run_dir: Path = Path("/run/ckptfs")
     log_file: Path | None = None
@@ -203,6 +207,7 @@ SCHEMA: dict[str, tuple[str, Any]] = {
     "fuse.direct_writes": ("direct_writes", parse_bool),
     "fuse.allow_other": ("allow_other", parse_bool),
     "fuse.open_recheck": ("open_recheck", _seconds),
+    "fuse.cpu_latency_hold": ("cpu_latency_hold", _seconds),
     "fuse.read_ahead_kb": ("read_ahead_kb", parse_int),
     "backing_timeout": ("backing_timeout", _timeout),
     "run_dir": ("run_dir", _path),

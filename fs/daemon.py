@@ -27,6 +27,7 @@ from ckptfs.peer.represent import Representation, attach
 from . import control
 from .config import Config
 from .core import Core
+from .cpulatency import CpuLatencyHold
 from .operations import Operations
 from .preflight import mount_id, run_files
 from .state import FileState
@@ -64,6 +65,7 @@ class Daemon:
             if self.peer is not None
             else None
         )
+        self.cpu_latency = CpuLatencyHold(self.config.cpu_latency_hold)
         self.started = time.time()
         self._terminating = False
 
@@ -82,7 +84,13 @@ class Daemon:
                         core.fs.mirror = mirror
                         core.cache.on_page_changed = mirror.changed
                         core.cache.on_mirror_done = mirror.done
-                ops = Operations(core.fs, self.config.writeback_cache, self.config.direct_writes)
+                nursery.start_soon(self.cpu_latency.run)
+                ops = Operations(
+                    core.fs,
+                    self.config.writeback_cache,
+                    self.config.direct_writes,
+                    self.cpu_latency,
+                )
                 options = set(pyfuse3.default_options) | {"fsname=ckptfs", "subtype=ckptfs"}
                 if self.config.allow_other:
                     options.add("allow_other")
@@ -176,7 +184,7 @@ class Daemon:
                 "prefault": core.prefault.value,
             },
             "flush": core.flusher.stats(),
-            "fuse": core.fs.describe(),
+            "fuse": {**core.fs.describe(), "cpu_latency": self.cpu_latency.describe()},
             "backing_health": core.io.health,
             "backing_calls": {
                 "total": core.io.calls,

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import pyfuse3
 
+from .cpulatency import CpuLatencyHold
 from .filesystem import Attr, Caller, FileSystem, SetAttr
 
 log = logging.getLogger("ckptfs.fuse")
@@ -68,6 +69,7 @@ def _log_failure(op: str, args: tuple[Any, ...], exc: OSError, err: int) -> None
 def handler(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     @functools.wraps(fn)
     async def wrapper(self: Operations, *args: Any) -> T:
+        self.cpu_latency.touch()
         try:
             return await fn(self, *args)
         except pyfuse3.FUSEError as exc:
@@ -121,9 +123,16 @@ def entry(attr: Attr) -> pyfuse3.EntryAttributes:
 
 
 class Operations(pyfuse3.Operations):
-    def __init__(self, fs: FileSystem, writeback_cache: bool, direct_writes: bool = True) -> None:
+    def __init__(
+        self,
+        fs: FileSystem,
+        writeback_cache: bool,
+        direct_writes: bool = True,
+        cpu_latency: CpuLatencyHold | None = None,
+    ) -> None:
         super().__init__()
         self.fs = fs
+        self.cpu_latency = cpu_latency or CpuLatencyHold(0)
         self.enable_writeback_cache = writeback_cache
         self.direct_writes = direct_writes
 

@@ -23,6 +23,15 @@ def peaks_line(peak: dict[str, int] | None) -> str:
     )
 
 
+def cpu_latency_text(cpu: dict[str, Any]) -> str:
+    taken = f"held {cpu['holds']} time(s), {cpu['held_seconds']:.1f}s in all"
+    return {
+        "held": f"kept quick to wake while requests flow ({taken})",
+        "idle": f"sleep as usual, no recent request ({taken})",
+        "off": "sleep as usual (fuse.cpu_latency_hold is 0)",
+    }.get(cpu["state"], f"sleep as usual: wake-up latency not held ({cpu['reason']})")
+
+
 def format_stat(s: dict[str, Any]) -> str:
     c, fl = s["cache"], s["flush"]
     lines = [
@@ -41,6 +50,12 @@ def format_stat(s: dict[str, Any]) -> str:
         f"{human(fl['throughput'])}/s now, hashing {human(fl['hash_throughput'])}/s"
         + (f", cap {human(fl['bandwidth_cap'])}/s" if fl["bandwidth_cap"] else ""),
     ]
+    fuse = s.get("fuse") or {}
+    if "cpu_latency" in fuse:  # absent from a daemon older than this CLI
+        lines.append(
+            f"fuse:    {fuse['handles']} open handle(s), {fuse['inodes']} inode(s); "
+            f"idle CPUs {cpu_latency_text(fuse['cpu_latency'])}"
+        )
     for p in s.get("peers", []):
         age = p.get("last_heartbeat_age")
         heard = "never" if age is None else f"{age:.1f}s ago"

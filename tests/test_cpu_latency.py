@@ -1,0 +1,148 @@
+"""The CPU wake-up latency hold (fs/cpulatency.py): taken on a FUSE request,
+kept while requests come, let go ``fuse.cpu_latency_hold`` seconds after the
+last; on a real mount, the kernel's PM QoS limit shows it."""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+from ckptfs.fs.cpulatency import DEVICE, CpuLatencyHold, HoldState
+
+REAL_DEVICE = Path(DEVICE)
+
+
+def requested(device: Path) -> int:
+    """The latency a (fake) device was asked for, as the kernel reads it."""
+    return struct.unpack("=i", device.read_bytes()[:4])[0]
+
+
+def run_clocked(fn) -> None:  # type: ignore[no-untyped-def]
+    trio.run(fn, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_held_while_requests_come_and_let_go_after(tmp_path: Path) -> None:
+    device = tmp_path / "cpu_dma_latency"
+    device.write_bytes(b"")
+
+    async def main() -> None:
+        hold = CpuLatencyHold(1.0, device=str(device))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(hold.run)
+            assert hold.state is HoldState.IDLE
+            hold.touch()
+            assert hold.state is HoldState.HELD
+            assert requested(device) == 0  # idle CPUs may only poll
+            for _ in range(4):  # a request every 0.6 s keeps it past its first second
+                await trio.sleep(0.6)
+                assert hold.state is HoldState.HELD
+                hold.touch()
+            await trio.sleep(0.9)
+            assert hold.state is HoldState.HELD
+            await trio.sleep(0.2)
+            assert hold.state is HoldState.IDLE
+            assert hold.holds == 1
+            assert hold.describe()["held_seconds"] == pytest.approx(3.4, abs=0.01)
+            hold.touch()  # the next burst takes it again
+            assert hold.state is HoldState.HELD and hold.holds == 2
+            nursery.cancel_scope.cancel()
+        assert hold.state is HoldState.IDLE  # cancelled: let go, the device closed
+
+    run_clocked(main)
+
+
+def test_missing_device_is_reported_and_not_retried(tmp_path: Path) -> None:
+    device = tmp_path / "no-such-device"
+
+    async def main() -> None:
+        hold = CpuLatencyHold(1.0, device=str(device))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(hold.run)
+            hold.touch()
+            assert hold.state is HoldState.UNAVAILABLE
+            assert str(device) in hold.reason and "No such file" in hold.reason
+            device.write_bytes(b"")
+            hold.touch()  # not retried on every request
+            assert hold.state is HoldState.UNAVAILABLE and hold.holds == 0
+            with trio.fail_after(1):  # run() has nothing to let go and returns
+                await trio.sleep(0.1)
+            assert not nursery.child_tasks
+
+    run_clocked(main)
+
+
+def test_off_never_opens_the_device(tmp_path: Path) -> None:
+    device = tmp_path / "cpu_dma_latency"
+    device.write_bytes(b"untouched")
+
+    async def main() -> None:
+        hold = CpuLatencyHold(0, device=str(device))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(hold.run)
+            hold.touch()
+            assert hold.state is HoldState.OFF
+        assert device.read_bytes() == b"untouched"
+        assert hold.describe() == {
+            "state": "off",
+            "hold": 0,
+            "holds": 0,
+            "held_seconds": 0.0,
+            "reason": "",
+        }
+
+    run_clocked(main)
+
+
+def kernel_limit() -> int:
+    fd = os.open(DEVICE, os.O_RDONLY)  # a reader's own request asks for nothing
+    try:
+        return struct.unpack("=i", os.read(fd, 4))[0]
+    finally:
+        os.close(fd)
+
+
+def wait_state(m, state: str, timeout: float = 10) -> dict:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while True:
+        cpu = m.stat()["fuse"]["cpu_latency"]
+        if cpu["state"] == state or time.monotonic() > deadline:
+            return cpu
+        time.sleep(0.1)
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not REAL_DEVICE.exists(), reason="needs root and the PM QoS device"
+)
+def test_mount_holds_while_used(mounts) -> None:  # type: ignore[no-untyped-def]
+    before = kernel_limit()
+    m = mounts("held")
+    m.mount(env={"CKPTFS_FUSE_CPU_LATENCY_HOLD": "2"})
+    payload = os.urandom(3 * 4096 + 5)
+    (m.mnt / "f").write_bytes(payload)
+    assert (m.mnt / "f").read_bytes() == payload
+    assert kernel_limit() == 0  # read right after a request: well within the hold
+    cpu = wait_state(m, "idle")  # the control socket is not a FUSE request
+    assert cpu["state"] == "idle" and cpu["holds"] >= 1 and cpu["held_seconds"] >= 2
+    if before != 0:  # nothing else on the machine holds it at 0
+        assert kernel_limit() == before
+    assert "idle CPUs sleep as usual, no recent request" in m.cli("stat", str(m.mnt)).stdout
+    assert not (m.mnt / "g-missing").exists()  # a LOOKUP
+    assert kernel_limit() == 0  # the lookup above was a request: taken again
+    assert m.stat()["fuse"]["cpu_latency"]["holds"] == cpu["holds"] + 1
+    m.umount()
+    if before != 0:
+        assert kernel_limit() == before  # the daemon is gone and its request with it
+
+    off = mounts("off")
+    off.mount()  # the default: off
+    (off.mnt / "g").write_bytes(payload)
+    assert (off.mnt / "g").read_bytes() == payload
+    if before != 0:
+        assert kernel_limit() == before
+    assert off.stat()["fuse"]["cpu_latency"]["state"] == "off"
+    off.umount()

@@ -68,13 +68,27 @@ class FileLost(OSError):
         super().__init__(errno.EIO, message)
 
 
-def _adds_nothing(page: Page, gen: int, fill: int) -> bool:
-    """Whether a mirrored page arriving at (``gen``, ``fill``) adds nothing to
-    ``page``: a late copy of an older generation (the writer's generations
-    only grow within a mirror id), or the same bytes again (a generation is
-    one content of the page; a resync to a buddy that kept its mirrors sends
-    them again, and must not turn a committed mirror back into MODIFIED)."""
-    return page.gen > gen or (page.gen == gen and page.in_ram and page.fill >= fill)
+def _adds_nothing(f: CachedFile, p: int, gen: int, fill: int) -> bool:
+    """Whether page ``p`` of mirror ``f`` arriving at (``gen``, ``fill``) adds
+    nothing. The writer's generations only grow within a mirror id, so it
+    adds nothing if it is:
+
+    - at or below the floor of the last commit: bytes that commit listed or
+      superseded (a batch pinned before a truncate or a rewrite, arriving late
+      after a retry or on a replaced connection), even for a page the commit
+      dropped or holds spilled, which the checks below cannot see;
+    - older than the generation held (a late copy);
+    - the same bytes again (a generation is one content of the page; a resync
+      to a buddy that kept its mirrors sends them again).
+
+    Any of these turning a committed mirror back into MODIFIED would lose a
+    version the writer was told is held here."""
+    if gen <= f.mirror_floor:
+        return True
+    page = f.pages.get(p)
+    return page is not None and (
+        page.gen > gen or (page.gen == gen and page.in_ram and page.fill >= fill)
+    )
 
 
 class Cache:
@@ -558,9 +572,9 @@ class Cache:
         False if there is none (the writer retries: a full buddy slows it).
         """
         f = self._mirror_for(origin, mid, file_id, file_id)
-        page = f.pages.get(p)
-        if page is not None and _adds_nothing(page, gen, len(data)):
+        if _adds_nothing(f, p, gen, len(data)):
             return True
+        page = f.pages.get(p)
         if page is None or not page.in_ram or self.arena.pinned(page.slot):
             slot = await self._alloc_mirror(timeout)
             if slot is None:
@@ -613,12 +627,13 @@ class Cache:
         self._hold_page(f, p, gen, slot, fill)
 
     def _hold_page(self, f: CachedFile, p: int, gen: int, slot: int, fill: int) -> None:
-        """Make ``slot`` page ``p`` of mirror ``f``, or free it if the page
-        held already has these bytes or newer ones."""
-        page = f.pages.get(p)
-        if page is not None and _adds_nothing(page, gen, fill):
+        """Make ``slot`` page ``p`` of mirror ``f``, or free it if that adds
+        nothing (see ``_adds_nothing``; checked here, after any wait for room,
+        against the floor and pages as they are now)."""
+        if _adds_nothing(f, p, gen, fill):
             self._free_slot(slot)
             return
+        page = f.pages.get(p)
         if page is not None:
             self._drop_mirror_page(f, p)
         f.pages[p] = Page(PageState.DIRTY, slot, fill, gen)
@@ -680,13 +695,24 @@ class Cache:
         ram: dict[int, tuple[int, int]],
         spilled: dict[int, Chunk],
         base: ChunkMap,
+        floor: int,
     ) -> list[int]:
         """The writer published (or is about to publish) ``manifest`` for the
         content streamed under ``mid``: ``ram`` lists (gen, fill) per page the
-        buddy must hold, ``spilled`` the pages already in chunks. Returns the
-        pages whose generation does not match (to send again); when none, the
-        mirror is that version, PENDING, and serves it."""
+        buddy must hold, ``spilled`` the pages already in chunks, ``floor``
+        the writer's newest generation for the content at its snapshot.
+        Returns the pages whose generation does not match (to send again);
+        when none, the mirror is that version, PENDING, and serves it, and
+        pages at or below ``floor`` arriving later add nothing. A commit
+        older than the last one taken (a lower floor: it arrived late, on a
+        replaced connection) is refused with ESTALE, changing nothing."""
         f = self._mirror_for(origin, mid, manifest.file_id, path)
+        if floor < f.mirror_floor:
+            raise OSError(
+                errno.ESTALE,
+                f"commit of {path} (mirror {mid}) at generation {floor} is older than "
+                f"the one held, at {f.mirror_floor}: a late copy, not taken",
+            )
         missing = [
             p
             for p, (gen, fill) in ram.items()
@@ -713,6 +739,7 @@ class Cache:
         f.mtime_ns, f.atime_ns = manifest.mtime_ns, manifest.atime
         f.chunking, f.base = manifest.chunking, base
         f.holders = list(manifest.holders)
+        f.mirror_floor = floor
         f.state = FileState.PENDING
         f.content_gen = next(self._gen)
         f.closed_at = time.time()

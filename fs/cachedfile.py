@@ -119,6 +119,13 @@ class Snapshot:
     threads: int = 0  # worker threads reading the pinned slots
     ended: bool = False  # the flush is over; pins go when the last thread does
 
+    def newest_gen(self) -> int:
+        """The newest generation given to this content up to the snapshot:
+        every page generation it ever had is at most this, and every change
+        after the snapshot gets a higher one. (``content_gen`` alone is not
+        enough: an adopted file's pages get generations after it.)"""
+        return max([self.content_gen, *(page.gen for page in self.pages.values())])
+
     def extents(self, page_size: int) -> list[tuple[int, int]]:
         """Sorted, merged [start, end) ranges that hold data; the rest is holes."""
         spans = [(p * page_size, min((p + 1) * page_size, self.size)) for p in self.pages]
@@ -155,6 +162,11 @@ class CachedFile:
     mirror_id: str = field(default_factory=new_id)
     origin: str = ""
     prior_paths: list[str] = field(default_factory=list)  # a mirror's paths before renames
+    # A MIRROR's generation floor: the writer's newest generation for this
+    # content when the mirror was last committed (the commit's snapshot). A
+    # page arriving at or below it is a late copy of bytes that commit
+    # superseded (or listed): it must not make the mirror MODIFIED again.
+    mirror_floor: int = 0
     pages: dict[int, Page] = field(default_factory=dict)
     base: ChunkMap = field(default_factory=ChunkMap)
     chunking: str = "fixed"

@@ -9,7 +9,10 @@ last, partial page), then the page table of the snapshot being published: the bu
 that it holds every page at exactly that generation, answers with the pages
 it lacks (sent again), and otherwise takes the content as that version. Only
 then does the pending manifest name both nodes as holders, so a holder named
-in a manifest always has the bytes.
+in a manifest always has the bytes. The page table carries the snapshot's
+generation floor: a streamed batch that reaches the buddy after the commit
+(a retry, a replaced connection) and is at or below it is a late copy and
+leaves the committed version as it is.
 
 The buddy's side (:class:`MirrorServer`) keeps mirrors in its own arena
 under a quota (``Cache.mirror_quota``). When the quota is full it answers
@@ -179,6 +182,10 @@ class MirrorClient:
             for p, pg in snap.pages.items()
             if pg.state is PageState.SPILLED and pg.chunk is not None
         ]
+        # Streamed batches of this content pinned before the snapshot may
+        # reach the buddy after the commit (a retry, a replaced connection):
+        # the floor tells it they are superseded.
+        floor = snap.newest_gen()
 
         def body() -> bytes:
             # Built at each send: a rename meanwhile must not be undone here.
@@ -192,6 +199,7 @@ class MirrorClient:
                     "spilled": spilled,
                     "base": [[c.offset, c.length, c.hash] for c in snap.base.chunks],
                     "base_end": snap.base.end,
+                    "floor": floor,
                 },
                 separators=(",", ":"),
             ).encode()
@@ -271,9 +279,11 @@ class MirrorClient:
             arena.pin(slot)  # a write meanwhile copies the page: these bytes stay `gen`
         try:
             # Checked at the buddy (DESIGN: every peer transfer is verified).
-            # On the loop (about 0.8 ms for a batch of 8 MiB): an await here
-            # let commits and drops interleave where none could before, and
-            # the mirror model found acknowledged files the buddy did not hold.
+            # On the loop (about 0.8 ms for a batch of 8 MiB). An await here
+            # once let batches land after the commit and undo it at the buddy;
+            # the commit's generation floor now makes a late batch harmless
+            # (the mirror model passes with a worker-thread hop here), so a
+            # move is a question of measured cost only.
             digest = {
                 p: page_digest(arena.slot_view(slot, 0, fill), p, gen)
                 for p, gen, fill, slot in send
@@ -484,18 +494,33 @@ class MirrorClient:
         self._down_until = 0.0  # the membership heard from it
         self._wake.set()  # drops it missed while it was away
         for f in files:
-            self._acked.pop(f.mirror_id, None)
-            snap = self.cache.journal_snapshot(f)
-            manifest = Manifest(
-                f.file_id, f.version, f.size, f.mode, f.mtime_ns, "pending", list(f.holders),
-                chunking=f.chunking, atime_ns=f.atime_ns,
-            )  # fmt: skip
-            try:
-                await self._commit(snap, manifest)
-                held += 1
-            except MirrorFailed as exc:
-                if f.state is FileState.PENDING and f.content_gen == snap.content_gen:
-                    self._fall_back(f, str(exc))
+            # The commit path's lock: a commit of this file meanwhile would
+            # race this one to the buddy, which takes whichever lands last.
+            # Checked again once held: the commits of earlier files (and the
+            # wait for the lock) let writes and commits run, and a file no
+            # longer PENDING would send changed pages under its old version.
+            async with f.commit_lock:
+                if not (
+                    f.role is FileRole.LOCAL
+                    and f.state is FileState.PENDING
+                    and f.mirror is MirrorState.ACKED
+                ):
+                    continue  # changed since: its next commit mirrors it
+                self._acked.pop(f.mirror_id, None)
+                snap = self.cache.journal_snapshot(f)
+                manifest = Manifest(
+                    f.file_id, f.version, f.size, f.mode, f.mtime_ns, "pending", list(f.holders),
+                    chunking=f.chunking, atime_ns=f.atime_ns,
+                )  # fmt: skip
+                try:
+                    await self._commit(snap, manifest)
+                except MirrorFailed as exc:
+                    if _still(f, snap):
+                        self._fall_back(f, str(exc))
+                    continue
+                # Not counted if written meanwhile: its next commit mirrors it.
+                if _still(f, snap):
+                    held += 1
         if files:
             log.info("buddy %s is back: %d of %d pending file(s) mirrored again",
                      self.buddy, held, len(files))  # fmt: skip
@@ -511,6 +536,15 @@ class MirrorClient:
             "fallbacks": self.fallbacks,
             "fallback_paths": list(self.fallback_paths[-10:]),
         }
+
+
+def _still(f: CachedFile, snap: Snapshot) -> bool:
+    """Whether ``f`` is still PENDING at exactly ``snap``'s version and content."""
+    return (
+        f.state is FileState.PENDING
+        and f.version == snap.version
+        and f.content_gen == snap.content_gen
+    )
 
 
 def page_digest(data: memoryview | bytes, page: int, gen: int) -> int:
@@ -709,6 +743,17 @@ class MirrorServer:
         body = json.loads(bytes(request.payload))
         manifest = Manifest.from_bytes(str(body["manifest"]).encode(), "mirrored manifest")
         ram = {int(p): (int(gen), int(fill)) for p, gen, fill in body["ram"]}
+        floor = body.get("floor")
+        # Strict: a commit without it is from a node older than this one,
+        # whose late pages this node could not tell from new ones.
+        if type(floor) is not int or floor < 0:
+            raise ValueError(
+                f"commit of {body.get('path')!r} has no valid generation floor ({floor!r})"
+            )
+        if any(gen > floor for gen, _fill in ram.values()):
+            raise ValueError(
+                f"commit of {body.get('path')!r} lists a page newer than its floor {floor}"
+            )
         spilled = {
             int(p): Chunk(int(off), int(length), str(digest))
             for p, off, length, digest, _fill in body["spilled"]
@@ -726,6 +771,7 @@ class MirrorServer:
             ram,
             spilled,
             base,
+            floor,
         )
         return Response(meta={"missing": missing})
 

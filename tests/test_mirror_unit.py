@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import threading
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import trio
 import trio.testing
@@ -16,13 +18,13 @@ from ckptfs.fs.arena import Arena
 from ckptfs.fs.backing import Backing, PlainFile
 from ckptfs.fs.blocking import BackingIO
 from ckptfs.fs.cache import Cache
-from ckptfs.fs.cachedfile import ChunkMap
+from ckptfs.fs.cachedfile import CachedFile, ChunkMap
 from ckptfs.fs.chunkstore import ChunkStore
 from ckptfs.fs.journal import Journal
-from ckptfs.fs.manifest import MAGIC, Manifest, read_manifest, write_manifest
-from ckptfs.fs.state import FileRole, FileState, Published
-from ckptfs.peer.mirror import PAGE, MirrorClient, MirrorServer, page_digest
-from ckptfs.peer.transport import Request
+from ckptfs.fs.manifest import MAGIC, Chunk, Manifest, new_id, read_manifest, write_manifest
+from ckptfs.fs.state import FileRole, FileState, MirrorState, PageState, Published
+from ckptfs.peer.mirror import COMMIT, PAGE, MirrorClient, MirrorServer, page_digest
+from ckptfs.peer.transport import Request, Response
 
 MiB = 1 << 20
 
@@ -174,11 +176,11 @@ def test_a_mirror_serves_a_version_only_once_its_page_table_matches(tmp_path: Pa
         m = Manifest("f1", "v1", MiB + 1000, 0o644, 1, "pending", ["n1", "n2"])
         # Page 1 never arrived, page 0 at another generation: both asked for again.
         ram = {0: (6, MiB), 1: (7, 1000)}
-        assert cache.mirror_commit("n1", "m1", m, "a.pt", 0, 0, ram, {}, ChunkMap()) == [0, 1]
+        assert cache.mirror_commit("n1", "m1", m, "a.pt", 0, 0, ram, {}, ChunkMap(), 7) == [0, 1]
         assert cache.held_version("f1", "v1") is None
         assert await cache.mirror_page("n1", "m1", "f1", 0, 6, memoryview(page0), timeout=1)
         assert await cache.mirror_page("n1", "m1", "f1", 1, 7, memoryview(page1), timeout=1)
-        assert cache.mirror_commit("n1", "m1", m, "a.pt", 0, 0, ram, {}, ChunkMap()) == []
+        assert cache.mirror_commit("n1", "m1", m, "a.pt", 0, 0, ram, {}, ChunkMap(), 7) == []
         f = cache.held_version("f1", "v1")
         assert f is not None and f.role is FileRole.MIRROR and f.state is FileState.PENDING
         assert await cache.read(f, 0, MiB + 1000) == page0 + page1
@@ -193,7 +195,7 @@ def test_a_mirror_serves_a_version_only_once_its_page_table_matches(tmp_path: Pa
         assert await cache.mirror_page("n1", "m1", "f1", 1, 8, memoryview(page0[:10]), timeout=1)
         assert cache.held_version("f1", "v1") is None
         assert cache.mirror_commit("n1", "m1", m, "a.pt", 0, 0, {0: (6, MiB), 1: (8, 10)},
-                                   {}, ChunkMap()) == []  # fmt: skip
+                                   {}, ChunkMap(), 8) == []  # fmt: skip
         # The writer dies: the committed mirror is taken over and queued.
         assert cache.take_over(f) and f.role is FileRole.TAKEOVER and queued == [f]
         assert f.holders == ["n2"] and f.owes_flush
@@ -219,7 +221,7 @@ def test_a_full_mirror_quota_answers_busy_and_frees_on_drop(tmp_path: Path):
         assert trio.current_time() - start >= 0.3
         m = Manifest("f1", "v1", 2 * MiB, 0o644, 1, "pending", ["n1", "n2"])
         ram = {0: (1, MiB), 1: (2, MiB)}
-        assert cache.mirror_commit("n1", "m1", m, "a.pt", 0, 0, ram, {}, ChunkMap()) == []
+        assert cache.mirror_commit("n1", "m1", m, "a.pt", 0, 0, ram, {}, ChunkMap(), 2) == []
         assert cache.mirror_drop("n1", "m1", "v1")
         assert cache.mirror_slots == 0 and cache.arena.used_slots == 0
         assert await cache.mirror_page("n1", "m2", "f1", 0, 4, page, timeout=1)
@@ -260,7 +262,7 @@ def test_a_batch_of_pages_is_held_up_to_the_quota_and_malformed_batches_change_n
         assert response.ok and response.meta["held"] == [0, 1, 2] and response.meta["busy"]
         m = Manifest("f1", "v1", 2 * MiB + MiB // 2, 0o644, 1, "pending", ["n1", "n2"])
         ram = {0: (1, MiB), 1: (2, MiB), 2: (3, MiB // 2)}
-        assert cache.mirror_commit("n1", "m1", m, "a.pt", 0, 0, ram, {}, ChunkMap()) == []
+        assert cache.mirror_commit("n1", "m1", m, "a.pt", 0, 0, ram, {}, ChunkMap(), 3) == []
         held = cache.mirrors["m1"]
         assert bytes(await cache.read(held, 0, held.size)) == b"".join(pages)
         # A batch that may wait for room waits once, not once per page: well
@@ -313,7 +315,7 @@ def test_a_batch_is_received_straight_into_reserved_slots_and_older_generations_
         assert cache.mirror_slots == 2 and cache.arena.used_slots == used + 2
         m = Manifest("f1", "v1", MiB + MiB // 3, 0o644, 1, "pending", ["n1", "n2"])
         ram = {0: (10, MiB), 1: (11, MiB // 3)}
-        assert cache.mirror_commit("n1", "m1", m, "a.pt", 0, 0, ram, {}, ChunkMap()) == []
+        assert cache.mirror_commit("n1", "m1", m, "a.pt", 0, 0, ram, {}, ChunkMap(), 11) == []
         held = cache.mirrors["m1"]
         assert bytes(await cache.read(held, 0, held.size)) == new0 + new1
         # No room for the whole batch now, not the writer's buddy, or malformed:
@@ -380,7 +382,7 @@ def test_the_same_generation_again_leaves_a_committed_mirror_committed(tmp_path:
         assert await cache.mirror_page("n1", "m1", "f1", 1, 6, memoryview(page1), timeout=1)
         m = Manifest("f1", "v1", MiB + 4321, 0o644, 1, "pending", ["n1", "n2"])
         ram = {0: (5, MiB), 1: (6, 4321)}
-        assert cache.mirror_commit("n1", "m1", m, "a.pt", 0, 0, ram, {}, ChunkMap()) == []
+        assert cache.mirror_commit("n1", "m1", m, "a.pt", 0, 0, ram, {}, ChunkMap(), 6) == []
         used = cache.arena.used_slots
         assert await cache.mirror_page("n1", "m1", "f1", 0, 5, memoryview(page0), timeout=1)
         [slot] = cache.reserve_mirror_slots(1) or []
@@ -557,8 +559,312 @@ def test_a_page_damaged_on_the_way_is_not_held_and_the_writer_is_told(tmp_path: 
         assert response.ok and response.meta["held"] == [1, 2] and "damaged" not in response.meta
         m = Manifest("f1", "v1", 2 * MiB + MiB // 2, 0o644, 1, "pending", ["n1", "n2"])
         ram = {0: (1, MiB), 1: (2, MiB), 2: (3, MiB // 2)}
-        assert cache.mirror_commit("n1", "m2", m, "a.pt", 0, 0, ram, {}, ChunkMap()) == []
+        assert cache.mirror_commit("n1", "m2", m, "a.pt", 0, 0, ram, {}, ChunkMap(), 3) == []
         held = cache.mirrors["m2"]
         assert bytes(await cache.read(held, 0, held.size)) == good + bad + after
+
+    trio.run(main)
+
+
+# ----- late copies: what a commit superseded never undoes it --------------------
+
+
+def commit_request(
+    mid: str,
+    manifest: Manifest,
+    ram: dict[int, tuple[int, int]],
+    spilled: dict[int, Chunk] | None = None,
+    *,
+    floor: object,
+) -> Request:
+    """A writer's COMMIT of ``manifest`` (no "floor" field if ``floor`` is None)."""
+    body: dict[str, Any] = {
+        "manifest": manifest.to_bytes().decode(),
+        "path": "a.pt",
+        "uid": 0,
+        "gid": 0,
+        "ram": [[p, gen, fill] for p, (gen, fill) in ram.items()],
+        "spilled": [[p, c.offset, c.length, c.hash, c.length] for p, c in (spilled or {}).items()],
+        "base": [],
+        "base_end": 0,
+    }
+    if floor is not None:
+        body["floor"] = floor
+    return Request(COMMIT, {"mid": mid}, memoryview(json.dumps(body).encode()))
+
+
+def test_a_late_page_at_or_below_the_commits_floor_leaves_the_committed_version_held(
+    tmp_path: Path,
+):
+    """The writer streamed pages 0-2, then rewrote page 0, truncated page 2
+    away and spilled page 1, and committed. Copies of the streamed batches
+    arriving after that commit (a retry, a replaced connection) are older
+    than its floor: whichever page they carry (dropped at the commit, held
+    at a newer generation, held spilled) and whichever way they are
+    received, the version stays held, so a takeover would publish it. A
+    page above the floor is a write after the commit: new content."""
+
+    async def main() -> None:
+        cache = make_cache(tmp_path)
+        cache.mirror_quota = 8
+        server = buddy_of_n1(cache)
+        old0, new0, page1, page2 = (os.urandom(MiB) for _ in range(4))
+        used = cache.arena.used_slots
+
+        async def page(p: int, gen: int, data: bytes, *, placed: bool) -> Response:
+            meta = {"mid": "m1", "file_id": "f1", "pages": [entry(p, gen, data)], "wait": False}
+            if not placed:
+                return await server.handle("n1", Request(PAGE, meta, memoryview(data)))
+            placement = server.place("n1", PAGE, meta, len(data))
+            assert placement is not None
+            placement.views[0][:] = data
+            try:
+                return await server.handle("n1", Request(PAGE, meta, memoryview(b""), 1, placement))
+            finally:
+                placement.release()
+
+        for p, gen, data in ((0, 3, old0), (1, 4, page1), (2, 5, page2)):
+            assert (await page(p, gen, data, placed=False)).meta["held"] == [p]
+        assert (await page(0, 6, new0, placed=True)).meta["held"] == [0]
+        m = Manifest("f1", "v1", 2 * MiB, 0o644, 1, "pending", ["n1", "n2"])
+        spilled = {1: Chunk(MiB, MiB, "h1")}  # page 1 was spilled at its generation 4
+        response = await server.handle("n1", commit_request("m1", m, {0: (6, MiB)}, spilled,
+                                                            floor=7))  # fmt: skip
+        assert response.ok and response.meta["missing"] == []
+        f = cache.held_version("f1", "v1")
+        assert f is not None and f.state is FileState.PENDING
+        assert cache.mirror_slots == 1 and cache.arena.used_slots == used + 1
+
+        late = [
+            (2, 5, page2),  # truncated away: dropped at the commit
+            (1, 4, page1),  # held spilled (generation 0 here)
+            (0, 3, old0),  # held at a newer generation
+            (2, 7, page2),  # at the floor itself
+        ]
+        for p, gen, data in late:
+            for placed in (False, True):
+                response = await page(p, gen, data, placed=placed)
+                assert response.ok and response.meta["held"] == [p]  # nothing to send again
+                assert cache.held_version("f1", "v1") is f, (p, gen, placed)
+                assert f.state is FileState.PENDING, (p, gen, placed)
+                assert cache.mirror_slots == 1 and cache.mirror_reserved == 0
+                assert cache.arena.used_slots == used + 1  # the late copy's slot went back
+        assert sorted(f.pages) == [0, 1] and f.pages[1].state is PageState.SPILLED
+        assert bytes(await cache.read(f, 0, MiB)) == new0
+
+        # Above the floor: written after the commit, so no longer that version.
+        assert (await page(2, 8, page2, placed=True)).meta["held"] == [2]
+        assert cache.held_version("f1", "v1") is None and f.state is FileState.MODIFIED
+        m2 = Manifest("f1", "v2", 3 * MiB, 0o644, 1, "pending", ["n1", "n2"])
+        ram = {0: (6, MiB), 2: (8, MiB)}
+        response = await server.handle("n1", commit_request("m1", m2, ram, spilled, floor=8))
+        assert response.ok and response.meta["missing"] == []
+        assert cache.held_version("f1", "v2") is f
+        assert bytes(await cache.read(f, 2 * MiB, MiB)) == page2
+
+    trio.run(main)
+
+
+def test_a_late_commit_never_replaces_a_newer_one_and_a_commit_needs_its_floor(tmp_path: Path):
+    """A copy of an earlier commit that arrives after a newer one (on a
+    replaced connection) would take the mirror back to the older version
+    while the writer was told the newer one is held: refused. A commit
+    without a valid floor (a node older than this one) is malformed."""
+
+    async def main() -> None:
+        cache = make_cache(tmp_path)
+        server = buddy_of_n1(cache)
+        page0, page1 = os.urandom(MiB), os.urandom(1000)
+        assert await cache.mirror_page("n1", "m1", "f1", 0, 5, memoryview(page0), timeout=1)
+        m1 = Manifest("f1", "v1", MiB, 0o644, 1, "pending", ["n1", "n2"])
+        response = await server.handle("n1", commit_request("m1", m1, {0: (5, MiB)}, floor=5))
+        assert response.ok and response.meta["missing"] == []
+        # The file grows by a page, and is committed again.
+        assert await cache.mirror_page("n1", "m1", "f1", 1, 6, memoryview(page1), timeout=1)
+        m2 = Manifest("f1", "v2", MiB + 1000, 0o644, 1, "pending", ["n1", "n2"])
+        ram = {0: (5, MiB), 1: (6, 1000)}
+        response = await server.handle("n1", commit_request("m1", m2, ram, floor=6))
+        assert response.ok and response.meta["missing"] == []
+        f = cache.held_version("f1", "v2")
+        assert f is not None
+        # The first commit again, late: it lists only pages still held.
+        response = await server.handle("n1", commit_request("m1", m1, {0: (5, MiB)}, floor=5))
+        assert not response.ok and "older than the one held" in str(response.error)
+        assert cache.held_version("f1", "v2") is f and cache.held_version("f1", "v1") is None
+        assert bytes(await cache.read(f, 0, f.size)) == page0 + page1
+
+        assert await cache.mirror_page("n1", "m2", "f2", 0, 5, memoryview(page1), timeout=1)
+        m3 = Manifest("f2", "v1", 1000, 0o644, 1, "pending", ["n1", "n2"])
+        for floor in (None, "5", 5.0, True, -1, 4):  # 4: below a page's generation
+            response = await server.handle("n1", commit_request("m2", m3, {0: (5, 1000)},
+                                                                floor=floor))  # fmt: skip
+            assert not response.ok and "floor" in str(response.error), floor
+            assert "malformed mirror.commit" in str(response.error)
+            assert cache.held_version("f2", "v1") is None
+        response = await server.handle("n1", commit_request("m2", m3, {0: (5, 1000)}, floor=5))
+        assert response.ok and cache.held_version("f2", "v1") is not None
+
+    trio.run(main)
+
+
+PS = 4096  # small pages for the writer-and-buddy tests below
+
+
+def small_cache(tmp_path: Path, name: str) -> Cache:
+    arena = Arena(tmp_path / f"arena-{name}", 64 * PS, PS)
+    store = ChunkStore(tmp_path / "backing")
+    return Cache(arena, store, BackingIO(10), Journal(tmp_path / f"journal-{name}"), node=name)
+
+
+class GatedLink:
+    """The writer's PeerClient and connection in one, calling the buddy's
+    handler in-process. The first request of type ``hold`` waits at a gate
+    until ``open`` is set: a request the buddy handles late (the writer's
+    retry after "not alive", or the bytes of a connection the writer has
+    already replaced), with everything else going on meanwhile."""
+
+    def __init__(self, server: MirrorServer, hold: str | None) -> None:
+        self.server = server
+        self.hold = hold
+        self.held = trio.Event()  # the held request reached the gate
+        self.open = trio.Event()  # the test lets it through
+        self.handled = trio.Event()  # the buddy has handled it
+        self.closed = False
+        self.sent: list[str] = []  # the types of the requests made, in order
+
+    async def connect(self, host: str, port: int, *, expect_node: str, timeout: float) -> Any:
+        return self
+
+    async def request(
+        self,
+        rtype: str,
+        meta: dict[str, Any],
+        payload: bytes = b"",
+        *,
+        payload_file: list[tuple[int, int, int]] | None = None,
+        timeout: float | None = None,
+    ) -> Response:
+        if payload_file is not None:  # read now: the bytes that went on the wire
+            payload = b"".join(os.pread(fd, n, off) for fd, off, n in payload_file)
+        self.sent.append(rtype)
+        gated = rtype == self.hold and not self.held.is_set()
+        if gated:
+            self.held.set()
+            await self.open.wait()
+        response = await self.server.handle("n1", Request(rtype, meta, memoryview(payload)))
+        if gated:
+            self.handled.set()
+        return response
+
+    async def aclose(self) -> None:
+        pass
+
+
+def writer_and_buddy(
+    tmp_path: Path, hold: str | None
+) -> tuple[Cache, Cache, MirrorClient, GatedLink]:
+    writer, buddy = small_cache(tmp_path, "n1"), small_cache(tmp_path, "n2")
+    link = GatedLink(buddy_of_n1(buddy), hold)
+    client = MirrorClient(
+        writer,
+        link,  # type: ignore[arg-type]
+        node="n1",
+        buddy="n2",
+        address=("127.0.0.1", 9),
+        timeout=5,
+        is_alive=lambda name: True,
+    )
+    writer.on_page_changed = client.changed
+    writer.on_mirror_done = client.done
+    return writer, buddy, client, link
+
+
+async def commit(cache: Cache, client: MirrorClient, f: CachedFile) -> list[str]:
+    """What FileSystem.commit does with the mirror (the manifest is not written)."""
+    async with f.commit_lock:
+        snap = cache.begin_publish(f, new_id())
+        manifest = Manifest(f.file_id, snap.version, snap.size, f.mode, f.mtime_ns)
+        snap.holders = await client.commit(snap, manifest)
+        cache.published(snap)
+        return snap.holders
+
+
+def test_a_streamed_batch_handled_after_the_commit_leaves_the_version_held(tmp_path: Path):
+    """The writer's streamer sends pages 0 and 1; the buddy handles that
+    batch only after the file was truncated to page 0, committed and
+    acknowledged. The buddy must still hold the acknowledged version."""
+
+    async def main() -> None:
+        writer, buddy, client, link = writer_and_buddy(tmp_path, hold=PAGE)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.run)
+            f = writer.new_file("f1", "v0", "a.pt", 0o644, 0, 0)
+            data = os.urandom(2 * PS)
+            await writer.write(f, 0, data)  # two full pages: one streamed batch
+            await link.held.wait()
+            await writer.truncate(f, PS)
+            assert await commit(writer, client, f) == ["n1", "n2"]
+            assert f.state is FileState.PENDING and f.mirror is MirrorState.ACKED
+            assert buddy.held_version("f1", f.version) is not None
+            link.open.set()  # the streamed batch, with page 1, lands now
+            await link.handled.wait()
+            await trio.testing.wait_all_tasks_blocked()
+            held = buddy.held_version("f1", f.version)
+            assert held is not None, "acknowledged but not held"
+            assert bytes(await buddy.read(held, 0, held.size)) == data[:PS]
+            assert buddy.mirror_slots == 1 == held.ram_count
+
+            # A write after the commit is new content, at the buddy too.
+            data = os.urandom(PS)
+            await writer.write(f, 0, data)
+            await trio.testing.wait_all_tasks_blocked()  # streamed
+            assert buddy.held_version("f1", f.version) is None
+            assert await commit(writer, client, f) == ["n1", "n2"]
+            held = buddy.held_version("f1", f.version)
+            assert held is not None and bytes(await buddy.read(held, 0, held.size)) == data
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_resync_takes_the_commit_lock_and_mirrors_only_unchanged_versions(tmp_path: Path):
+    """The buddy comes back and the writer mirrors its acknowledged pending
+    files again. While the resync's commit of the first file waits, that
+    file grows and is committed again, and the second is written: the newer
+    commit must not be undone by the resync's older one, and the second
+    file's changed bytes must not be mirrored under its published version."""
+
+    async def main() -> None:
+        writer, buddy, client, link = writer_and_buddy(tmp_path, hold=None)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.run)
+            fa = writer.new_file("fa", "v0", "a.pt", 0o644, 0, 0)
+            fb = writer.new_file("fb", "v0", "b.pt", 0o644, 0, 0)
+            a_bytes, b_bytes = os.urandom(100), os.urandom(100)
+            await writer.write(fa, 0, a_bytes)
+            await writer.write(fb, 0, b_bytes)
+            for f in (fa, fb):
+                assert await commit(writer, client, f) == ["n1", "n2"]
+            vb = fb.version
+            link.hold = COMMIT  # the resync's commit of fa waits at the gate
+            async with trio.open_nursery() as race:
+                race.start_soon(client.resync)
+                await link.held.wait()
+                await writer.write(fb, 0, b"x" * 10)  # a partial page: not streamed
+                more = os.urandom(50)
+                await writer.write(fa, PS, more)
+                race.start_soon(commit, writer, client, fa)
+                await trio.testing.wait_all_tasks_blocked()
+                # That commit waits for the resync's: nothing went out meanwhile.
+                assert link.sent[-1] == COMMIT and link.sent.count(COMMIT) == 3
+                link.open.set()
+            assert fa.state is FileState.PENDING and fa.mirror is MirrorState.ACKED
+            held = buddy.held_version("fa", fa.version)
+            assert held is not None, "acknowledged but not held"
+            assert bytes(await buddy.read(held, 0, held.size)) == a_bytes + bytes(PS - 100) + more
+            assert fb.state is FileState.MODIFIED
+            held = buddy.held_version("fb", vb)
+            assert held is None or bytes(await buddy.read(held, 0, held.size)) == b_bytes
+            nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -379,6 +379,10 @@ class Cache:
         if f.state is FileState.UNLINKED:
             return  # open handles of a removed file may still write; nothing publishes it
         key = self._record_key(f)
+        if f.state is not FileState.MODIFIED:
+            # New content begins (a rewrite of a pending or durable file): the
+            # history's times count from here, not from the first version's open.
+            f.opened_at, f.closed_at, f.mirrored_at = time.time(), None, None
         f.state = FileState.MODIFIED
         f.role = FileRole.LOCAL
         if f.mirror is MirrorState.ACKED:
@@ -401,6 +405,7 @@ class Cache:
         old.pages, old.base, old.content_gen = f.pages, f.base, f.content_gen
         old.dirty_count, old.ram_count = f.dirty_count, f.ram_count
         old.opened_at, old.closed_at, old.flushed_bytes = f.opened_at, f.closed_at, f.flushed_bytes
+        old.mirrored_at = f.mirrored_at
         if f.flushing is not None:
             f.flushing.file = old  # the flush in progress stores exactly this content
             old.flushing, f.flushing = f.flushing, None
@@ -412,6 +417,7 @@ class Cache:
         old.mirror_id, f.mirror_id, f.mirror = f.mirror_id, new_id(), MirrorState.NONE
         f.content_gen = next(self._gen)
         f.opened_at, f.closed_at, f.flushed_bytes = time.time(), None, 0
+        f.mirrored_at = None
         self._notify(f)
         if old.flushing is None:
             self.on_pending(old)
@@ -559,6 +565,8 @@ class Cache:
         """Record whether ``f``'s buddy holds its content (peer/mirror.py decides)."""
         if f.mirror is not state:
             f.mirror = state
+            if state is MirrorState.ACKED:
+                f.mirrored_at = time.time()
             self._notify(f)
 
     # ----- buddy mirroring: the buddy's side ------------------------------------

@@ -196,6 +196,7 @@ class CachedFile:
     # Timings of the checkpoint currently in flight, for the history.
     opened_at: float = field(default_factory=time.time)
     closed_at: float | None = None
+    mirrored_at: float | None = None  # when the buddy acknowledged this content
     # Where recent reads left off, to detect sequential readers (fs/readahead.py).
     read_pattern: ReadPattern = field(default_factory=ReadPattern)
 

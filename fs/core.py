@@ -203,7 +203,8 @@ class Core:
             "path": f.path,
             "size": f.size,
             "close_s": round(closed - f.opened_at, 3),
-            "mirrored_s": "",
+            # From the open, as close_s; empty if no buddy acknowledged it.
+            "mirrored_s": round(f.mirrored_at - f.opened_at, 3) if f.mirrored_at else "",
             "durable_s": round(now - closed, 3),
             "throughput_MBps": round(f.size / max(now - f.opened_at, 1e-6) / 1e6, 1),
         }

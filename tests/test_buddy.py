@@ -312,6 +312,12 @@ def test_a_file_larger_than_the_buddys_mirror_space_falls_back_without_hanging(m
     info = file_info(n1, "small.pt")
     assert info is not None and info["holders"] == ["n1", "n2"], info
     assert (n1.mnt / "big.pt").read_bytes() == big
+    # The history says which the buddy held, and when (from the open).
+    n1.wait_durable()
+    history = {h["path"]: h for h in n1.stat()["history"]}
+    assert history["big.pt"]["mirrored_s"] == "", history
+    small_h = history["small.pt"]
+    assert 0 <= small_h["mirrored_s"] <= small_h["close_s"] + 0.001, small_h
 
 
 def test_a_restarted_buddy_is_given_the_pending_files_again(mounts, tmp_path):

@@ -88,6 +88,13 @@ def test_stat_reports_states_dedup_and_history(mounts):
     assert "d1/x.bin" in history and history.startswith("time,path,size")
     human = m.cli("stat", str(m.mnt)).stdout
     assert "durable" in human and "d1/x.bin" in human and "saved by dedup" in human
+    assert all(h["mirrored_s"] == "" for h in s["history"])  # no buddy here
+    # A rewrite, long after the first open: its times count from its own open.
+    time.sleep(1.5)
+    (m.mnt / "d1" / "x.bin").write_bytes(os.urandom(1 << 20))
+    m.wait_durable()
+    again = [h for h in m.stat()["history"] if h["path"] == "d1/x.bin"]
+    assert len(again) == 2 and 0 <= again[1]["close_s"] < 1.0, again
 
 
 def test_fsync_of_open_file_publishes_without_closing(mounted):

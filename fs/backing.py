@@ -479,7 +479,9 @@ class Backing:
 
     async def chmod(self, rel: str, mode: int) -> None:
         # Only for directories and plain files (symlinks have no mode of their own).
-        await self.io.run(lambda: os.chmod(rel, mode, dir_fd=self.root_fd), what=f"chmod {rel}")
+        await self.io.run(
+            lambda: os.chmod(rel or ".", mode, dir_fd=self.root_fd), what=f"chmod {rel or '.'}"
+        )
 
     async def chown(self, rel: str, uid: int, gid: int) -> None:
         def chown() -> None:

@@ -212,3 +212,19 @@ def test_block_size_is_large_while_written_and_small_for_readers(mounted):
         f.write(payload[::-1])
     assert p.read_bytes() == payload[::-1]
     assert p.stat().st_blksize == 4096
+
+
+def test_the_mount_root_takes_chmod_chown_and_utime(mounted):
+    """An operator opens the mount to a job's users with chmod on its root
+    (the backing directory's root): it used to fail with ENOENT."""
+    root = mounted.mnt
+    os.chmod(root, 0o1777)
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o1777
+    assert stat.S_IMODE(os.stat(mounted.backing).st_mode) == 0o1777
+    os.chown(root, 65534, 65534)
+    assert (os.stat(root).st_uid, os.stat(root).st_gid) == (65534, 65534)
+    os.utime(root, ns=(1_000_000_000, 2_000_000_000))
+    assert os.stat(root).st_mtime_ns == 2_000_000_000
+    os.chown(root, 0, 0)
+    os.chmod(root, 0o755)
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o755

@@ -99,8 +99,8 @@ class CpuLatencyHold:
         self.reason = f"{self.device}: {exc.strerror or exc}"
         self._taken.set()  # run() has nothing left to do
         log.info(
-            "not holding CPU wake-up latency (%s): each FUSE request pays idle CPUs' "
-            "wake-ups; set fuse.cpu_latency_hold: 0 to stop trying",
+            "not holding CPU wake-up latency (%s), and not trying again: each FUSE "
+            "request pays idle CPUs' wake-ups as without fuse.cpu_latency_hold",
             self.reason,
         )
 

@@ -118,17 +118,17 @@ class CpuLatencyHold:
         """Let go of the hold once ``hold`` seconds pass without a request."""
         task_status.started()
         try:
-            while self.state is not HoldState.OFF:
-                if self.state is not HoldState.HELD:
-                    if self.state is HoldState.UNAVAILABLE:
-                        return
+            while True:
+                if self.state is HoldState.HELD:
+                    left = self._last + self.hold - self._clock()
+                    if left > 0:
+                        await trio.sleep(left)
+                    else:
+                        self.release()
+                elif self.state is HoldState.IDLE:
                     await self._taken.wait()
-                    continue
-                left = self._last + self.hold - self._clock()
-                if left <= 0:
-                    self.release()
-                else:
-                    await trio.sleep(left)
+                else:  # OFF, or UNAVAILABLE: there is nothing to let go
+                    return
         finally:
             self.release()
 

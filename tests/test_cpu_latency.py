@@ -7,7 +7,10 @@ from __future__ import annotations
 import os
 import struct
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -26,14 +29,21 @@ def run_clocked(fn) -> None:  # type: ignore[no-untyped-def]
     trio.run(fn, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
+@asynccontextmanager
+async def running(seconds: float, device: Path) -> AsyncIterator[tuple[CpuLatencyHold, Any]]:
+    """A hold of ``seconds`` on ``device`` with its task running: (hold, nursery)."""
+    hold = CpuLatencyHold(seconds, device=str(device))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(hold.run)
+        yield hold, nursery
+
+
 def test_held_while_requests_come_and_let_go_after(tmp_path: Path) -> None:
     device = tmp_path / "cpu_dma_latency"
     device.write_bytes(b"")
 
     async def main() -> None:
-        hold = CpuLatencyHold(1.0, device=str(device))
-        async with trio.open_nursery() as nursery:
-            await nursery.start(hold.run)
+        async with running(1.0, device) as (hold, nursery):
             assert hold.state is HoldState.IDLE
             hold.touch()
             assert hold.state is HoldState.HELD
@@ -60,9 +70,7 @@ def test_missing_device_is_reported_and_not_retried(tmp_path: Path) -> None:
     device = tmp_path / "no-such-device"
 
     async def main() -> None:
-        hold = CpuLatencyHold(1.0, device=str(device))
-        async with trio.open_nursery() as nursery:
-            await nursery.start(hold.run)
+        async with running(1.0, device) as (hold, nursery):
             hold.touch()
             assert hold.state is HoldState.UNAVAILABLE
             assert str(device) in hold.reason and "No such file" in hold.reason
@@ -81,9 +89,7 @@ def test_off_never_opens_the_device(tmp_path: Path) -> None:
     device.write_bytes(b"untouched")
 
     async def main() -> None:
-        hold = CpuLatencyHold(0, device=str(device))
-        async with trio.open_nursery() as nursery:
-            await nursery.start(hold.run)
+        async with running(0, device) as (hold, nursery):
             hold.touch()
             assert hold.state is HoldState.OFF
         assert device.read_bytes() == b"untouched"

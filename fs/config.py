@@ -106,6 +106,12 @@ class Config:
     # keep idle CPUs quick to wake (fs/cpulatency.py). 0 (the default): never;
     # it changes the whole machine's idle behaviour, an operator's choice.
     cpu_latency_hold: float = 0.0
+    # The same hold, taken at each request answered without a task (a
+    # read-only open of a cached file, a reader's close, a stat, isatty) and
+    # let go this long after the last (seconds): the caller's next request
+    # usually follows within microseconds (torch.load's second open), and
+    # both the daemon's CPU and the caller's then wake at once. 0: off.
+    burst_latency_hold: float = 0.002
     backing_timeout: float = 120.0
     run_dir: Path = Path("/run/ckptfs")
     log_file: Path | None = None
@@ -208,6 +214,7 @@ SCHEMA: dict[str, tuple[str, Any]] = {
     "fuse.allow_other": ("allow_other", parse_bool),
     "fuse.open_recheck": ("open_recheck", _seconds),
     "fuse.cpu_latency_hold": ("cpu_latency_hold", _seconds),
+    "fuse.burst_latency_hold": ("burst_latency_hold", _seconds),
     "fuse.read_ahead_kb": ("read_ahead_kb", parse_int),
     "backing_timeout": ("backing_timeout", _timeout),
     "run_dir": ("run_dir", _path),

@@ -51,10 +51,12 @@ class CpuLatencyHold:
     def __init__(
         self,
         hold: float,
+        key: str = "fuse.cpu_latency_hold",
         device: str = DEVICE,
         clock: Callable[[], float] = trio.current_time,
     ) -> None:
         self.hold = hold
+        self.key = key  # the config key that sets ``hold``, for the log
         self.device = device
         self._clock = clock
         self.state = HoldState.OFF if hold <= 0 else HoldState.IDLE
@@ -100,8 +102,9 @@ class CpuLatencyHold:
         self._taken.set()  # run() has nothing left to do
         log.info(
             "not holding CPU wake-up latency (%s), and not trying again: each FUSE "
-            "request pays idle CPUs' wake-ups as without fuse.cpu_latency_hold",
+            "request pays idle CPUs' wake-ups as without %s",
             self.reason,
+            self.key,
         )
 
     def release(self) -> None:

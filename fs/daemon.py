@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pyfuse3
 import trio
 from ckptfs.peer.node import PeerNode
 from ckptfs.peer.represent import Representation, attach
@@ -28,6 +27,9 @@ from . import control
 from .config import Config
 from .core import Core
 from .cpulatency import CpuLatencyHold
+from .fusemount import mount, unmount
+from .fusesession import Session
+from .fusesession import describe as describe_session
 from .operations import Operations
 from .preflight import mount_id, run_files
 from .state import FileState
@@ -65,9 +67,15 @@ class Daemon:
             if self.peer is not None
             else None
         )
-        self.cpu_latency = CpuLatencyHold(self.config.cpu_latency_hold)
+        self.cpu_latency = CpuLatencyHold(self.config.cpu_latency_hold, "fuse.cpu_latency_hold")
+        # A burst of small requests (torch.load's opens): held from a fast
+        # answer until that long after the last (fs/fusesession.py).
+        self.burst_latency = CpuLatencyHold(
+            self.config.burst_latency_hold, "fuse.burst_latency_hold"
+        )
         self.started = time.time()
         self._terminating = False
+        self.session: Session | None = None
 
     # ----- lifecycle ----------------------------------------------------------
     async def run(self) -> None:
@@ -85,16 +93,20 @@ class Daemon:
                         core.cache.on_page_changed = mirror.changed
                         core.cache.on_mirror_done = mirror.done
                 nursery.start_soon(self.cpu_latency.run)
+                nursery.start_soon(self.burst_latency.run)
                 ops = Operations(
                     core.fs,
                     self.config.writeback_cache,
                     self.config.direct_writes,
                     self.cpu_latency,
                 )
-                options = set(pyfuse3.default_options) | {"fsname=ckptfs", "subtype=ckptfs"}
+                options = {"default_permissions"}
                 if self.config.allow_other:
                     options.add("allow_other")
-                pyfuse3.init(ops, str(self.mountpoint), options)
+                fd = mount(str(self.mountpoint), "ckptfs", options)
+                handlers = ops.handlers()
+                handlers.answered = self.burst_latency.touch
+                self.session = Session(fd, handlers, workers=self.config.fuse_workers)
                 try:
                     await nursery.start(control.serve, self.sock_path, self._routes(), self.owners)
                     nursery.start_soon(self._signals)
@@ -110,10 +122,11 @@ class Daemon:
                         self.config.durability,
                         f", {core.recovered} file(s) recovered" if core.recovered else "",
                     )
-                    await pyfuse3.main(min_tasks=2, max_tasks=self.config.fuse_workers)
+                    await self.session.run()
                     clean = core.all_durable()
                 finally:
-                    pyfuse3.close(unmount=True)
+                    unmount(str(self.mountpoint))
+                    self.session.close()
                 nursery.cancel_scope.cancel()
         finally:
             core.close()
@@ -128,12 +141,16 @@ class Daemon:
                     core.cache_root,
                 )
 
+    def _end_session(self) -> None:
+        if self.session is not None:
+            self.session.terminate()
+
     async def _signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
                 if self._terminating:
                     log.warning("second signal: unmounting without waiting for the flush")
-                    pyfuse3.terminate()
+                    self._end_session()
                     return
                 log.info("signal %s: flushing, then unmounting", signal.Signals(signum).name)
                 self.nursery.start_soon(self._drain_and_terminate)
@@ -143,7 +160,7 @@ class Daemon:
         try:
             await self.core.drain("", timeout)
         finally:
-            pyfuse3.terminate()
+            self._end_session()
 
     # ----- control ------------------------------------------------------------------
     def _routes(self) -> dict[str, control.Route]:
@@ -184,7 +201,12 @@ class Daemon:
                 "prefault": core.prefault.value,
             },
             "flush": core.flusher.stats(),
-            "fuse": {**core.fs.describe(), "cpu_latency": self.cpu_latency.describe()},
+            "fuse": {
+                **core.fs.describe(),
+                **describe_session(self.session),
+                "cpu_latency": self.cpu_latency.describe(),
+                "burst_latency": self.burst_latency.describe(),
+            },
             "backing_health": core.io.health,
             "backing_calls": {
                 "total": core.io.calls,
@@ -225,7 +247,7 @@ class Daemon:
     async def _terminate_soon(self) -> None:
         self._terminating = True
         await trio.sleep(0.05)  # let the reply reach the client first
-        pyfuse3.terminate()
+        self._end_session()
 
 
 def memory_usage() -> dict[str, int]:

@@ -239,14 +239,14 @@ class FileSystem:
 
         return await self._resolved(lambda: self.inodes.child_path(parent, name), bind)
 
-    async def getattr(self, ino: int) -> Attr:
+    def getattr_now(self, ino: int) -> Attr | None:
+        """The attributes if they need no backing-store read, else None."""
         inode = self._inode(ino)
         if inode.unlinked:
             return self._attr(inode, None)
         f = inode.file
         if inode.kind == "file" and f is not None and (f.writers or f.modified):
             return self._attr(inode, None)  # being written here: our copy is current
-        now = time.monotonic()
         # The kernel asks after every read (a read invalidates its cached
         # atime): torch.load's getsize between its two opens would pay a
         # backing-store round trip. An open file's attributes are our copy's
@@ -259,8 +259,16 @@ class FileSystem:
             and (f.handles or self._recently_checked(inode))
         ):
             return self._attr(inode, seen)
-        if inode.kind == "dir" and now - inode.dir_attrs_at < DIR_ATTR_REUSE:
+        if inode.kind == "dir" and time.monotonic() - inode.dir_attrs_at < DIR_ATTR_REUSE:
             return self._attr(inode, inode.dir_attrs)
+        return None
+
+    async def getattr(self, ino: int) -> Attr:
+        attr = self.getattr_now(ino)
+        if attr is not None:
+            return attr
+        inode = self._inode(ino)
+        now = time.monotonic()
         try:
             entry = await self.backing.entry(self.inodes.path(ino))
         except FileNotFoundError:
@@ -527,6 +535,8 @@ class FileSystem:
                 errno.EBUSY,
                 f"{f.path}: being flushed by {', '.join(f.holders)}; only O_TRUNC may rewrite it",
             )
+        if not writable:
+            return self._opened(inode, f, caller)
         fh = self._open_handle(inode, f, writable, caller)
         try:
             if truncate and (f.size or f.lost):
@@ -534,6 +544,24 @@ class FileSystem:
         except BaseException:
             await self.release(fh)
             raise
+        keep = inode.kernel_version == f.version and not f.modified
+        inode.kernel_version = f.version
+        return fh, keep
+
+    def open_now(self, ino: int, flags: int, caller: Caller) -> tuple[int, bool] | None:
+        """A read-only open of a file whose cached copy needs no look at the
+        backing store (see _file_now); None if it does."""
+        if (flags & os.O_ACCMODE) != os.O_RDONLY:
+            return None
+        inode = self._inode(ino)
+        if inode.kind != "file":
+            return None
+        f = self._file_now(inode, writable=False)
+        return None if f is None else self._opened(inode, f, caller)
+
+    def _opened(self, inode: Inode, f: CachedFile, caller: Caller) -> tuple[int, bool]:
+        """A read-only handle of ``f``; whether the kernel may keep its pages."""
+        fh = self._open_handle(inode, f, False, caller)
         keep = inode.kernel_version == f.version and not f.modified
         inode.kernel_version = f.version
         return fh, keep
@@ -559,13 +587,13 @@ class FileSystem:
         """Whether an open or a stat may reuse the last check (``fuse.open_recheck``)."""
         return time.monotonic() - inode.checked_at < self.config.open_recheck
 
-    async def _file_for(self, inode: Inode, writable: bool, truncate: bool = False) -> CachedFile:
-        """The cached file behind an inode, (re)loaded from its manifest if needed."""
+    def _file_now(self, inode: Inode, writable: bool) -> CachedFile | None:
+        """The cached file behind an inode if it needs no look at its manifest."""
         f = inode.file
         if f is not None and f.unlinked and not inode.unlinked:
             # Retired while the inode still has its name (the name vanished
             # or changed on another node): what is at the name counts.
-            f = None
+            return None
         if f is not None and (inode.unlinked or f.writers or f.modified):
             # Being written or changed here: our copy is the current one. A
             # file only open for reading here may have been rewritten on
@@ -578,6 +606,13 @@ class FileSystem:
             and self._recently_checked(inode)
         ):
             return f  # the lookup just before this open read the manifest
+        return None
+
+    async def _file_for(self, inode: Inode, writable: bool, truncate: bool = False) -> CachedFile:
+        """The cached file behind an inode, (re)loaded from its manifest if needed."""
+        f = self._file_now(inode, writable)
+        if f is not None:
+            return f
         if inode.unlinked:
             raise FsError(errno.ESTALE, "its name was removed")  # the kernel looks up again
 
@@ -700,10 +735,34 @@ class FileSystem:
         if handle is not None and handle.writable and handle.file is not None:
             await self.commit(handle.file)
 
+    def flush_now(self, fh: int) -> bool:
+        """Whether the close of ``fh`` has nothing to publish (a reader's)."""
+        handle = self.handles.get(fh)
+        return handle is None or not handle.writable or handle.file is None
+
     async def fsync(self, fh: int) -> None:
         await self.flush(fh)
 
+    def release_now(self, fh: int) -> bool:
+        """Release a reader's handle, which needs no await (no commit, no
+        backing-store descriptor to close); whether it did."""
+        handle = self.handles.get(fh)
+        if handle is None:
+            return True
+        if handle.writable or handle.plain_fd is not None:
+            return False
+        del self.handles[fh]
+        handle.inode.opens -= 1
+        if handle.file is not None:
+            handle.file.handles -= 1
+            self.cache.let_go(handle.file)
+        if not handle.inode.nlookup and not handle.inode.opens:
+            self.forget(handle.inode.ino, 0)
+        return True
+
     async def release(self, fh: int) -> None:
+        if self.release_now(fh):
+            return
         handle = self.handles.pop(fh, None)
         if handle is None:
             return

@@ -22,14 +22,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import pyfuse3
-
 from .cachedfile import CachedFile
+from .fuseabi import ROOT_ID
 
 if TYPE_CHECKING:
     from .backing import Entry
 
-ROOT = pyfuse3.ROOT_INODE
+ROOT = ROOT_ID
 
 
 @dataclass(eq=False, slots=True)

@@ -1,9 +1,12 @@
-"""The FUSE operations: each a short translation onto :class:`FileSystem`.
+"""The FUSE operations: each decodes its request, makes one call on
+:class:`FileSystem` and encodes the reply.
 
-pyfuse3 only turns ``FUSEError`` into an errno; any other exception would
-leave the request unanswered and take the mount down. Every handler is
-therefore wrapped: OSErrors keep their errno, anything else becomes EIO and is
-logged with the operation and its arguments.
+Every handler is wrapped: OSErrors keep their errno, anything else becomes EIO
+and is logged with the operation and its arguments; the session turns the
+resulting :class:`FuseError` into the reply. A few operations also have a
+synchronous fast path (``*_now`` on FileSystem) that the session's reader
+answers inline, with no task (fs/fusesession.py); it declines (None) when the
+answer needs an await.
 """
 
 from __future__ import annotations
@@ -12,13 +15,15 @@ import errno
 import functools
 import logging
 import os
-from collections.abc import Awaitable, Callable, Sequence
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-import pyfuse3
-
+from . import fuseabi as abi
 from .cpulatency import CpuLatencyHold
 from .filesystem import Attr, Caller, FileSystem, SetAttr
+from .fuseabi import Op
+from .fusesession import FuseError, Handlers, Reply, Request
 
 log = logging.getLogger("ckptfs.fuse")
 T = TypeVar("T")
@@ -58,71 +63,100 @@ def _log_failure(op: str, args: tuple[Any, ...], exc: OSError, err: int) -> None
             logging.INFO if first else logging.DEBUG,
             "%s%r refused: %s%s",
             op,
-            _short(args),
+            args,
             exc,
             " (logged once per kind; more at DEBUG)" if first else "",
         )
     elif not getattr(exc, "logged", False):
-        log.warning("%s%r failed: %s", op, _short(args), exc)
+        log.warning("%s%r failed: %s", op, args, exc)
 
 
-def handler(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+# Where a request's name starts in its body, for the ops that carry one.
+NAME_AT = {
+    Op.LOOKUP: 0,
+    Op.UNLINK: 0,
+    Op.RMDIR: 0,
+    Op.SYMLINK: 0,
+    Op.MKDIR: abi.MKDIR_IN.size,
+    Op.MKNOD: abi.MKNOD_IN.size,
+    Op.CREATE: abi.CREATE_IN.size,
+    Op.RENAME: abi.RENAME_IN.size,
+    Op.RENAME2: abi.RENAME2_IN.size,
+}
+
+
+def _args(fs: FileSystem, req: Request) -> tuple[Any, ...]:
+    """What a log line says a request was about: its inode's path, and its name."""
+    try:
+        where: Any = fs.inodes.path(req.nodeid) or "/"
+    except Exception:
+        where = req.nodeid
+    if req.op in NAME_AT:
+        try:
+            return (where, _one_name(req, NAME_AT[Op(req.op)]))
+        except ValueError:
+            pass
+    return (where,)
+
+
+def _failed(op: str, fs: FileSystem, req: Request, exc: BaseException) -> FuseError:
+    """The reply for an exception a handler raised, logged as it deserves."""
+    args = _args(fs, req)
+    if isinstance(exc, FuseError):
+        return exc
+    if isinstance(exc, OSError):
+        err = exc.errno or errno.EIO
+        _log_failure(op, args, exc, err)
+        return FuseError(err)
+    log.error("%s%r failed unexpectedly", op, args, exc_info=exc)
+    return FuseError(errno.EIO)
+
+
+def handler(fn: Callable[[Operations, Request], Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     @functools.wraps(fn)
-    async def wrapper(self: Operations, *args: Any) -> T:
+    async def wrapper(self: Operations, req: Request) -> T:
         self.cpu_latency.touch()
         try:
-            return await fn(self, *args)
-        except pyfuse3.FUSEError as exc:
-            _log_failure(fn.__name__, args, OSError(exc.errno, os.strerror(exc.errno)), exc.errno)
-            raise
-        except OSError as exc:
-            err = exc.errno or errno.EIO
-            _log_failure(fn.__name__, args, exc, err)
-            raise pyfuse3.FUSEError(err) from None
-        except Exception:
-            log.exception("%s%r failed unexpectedly", fn.__name__, _short(args))
-            raise pyfuse3.FUSEError(errno.EIO) from None
+            return await fn(self, req)
+        except Exception as exc:
+            raise _failed(fn.__name__, self.fs, req, exc) from None
 
     return wrapper
 
 
-def _short(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(
-        f"<{len(a)} bytes>" if isinstance(a, bytes) and len(a) > 64 else a
-        for a in args
-        if not hasattr(a, "uid")  # the request context
-    )
+def fast(fn: Callable[[Operations, Request], T]) -> Callable[..., T | None]:
+    @functools.wraps(fn)
+    def wrapper(self: Operations, req: Request) -> T | None:
+        self.cpu_latency.touch()
+        try:
+            return fn(self, req)
+        except Exception as exc:
+            raise _failed(fn.__name__, self.fs, req, exc) from None
+
+    return wrapper
 
 
-def _caller(ctx: Any) -> Caller:
-    return Caller(ctx.uid, ctx.gid)
+def _caller(req: Request) -> Caller:
+    return Caller(req.uid, req.gid)
 
 
 def _name(raw: bytes) -> str:
     return os.fsdecode(raw)
 
 
-def entry(attr: Attr) -> pyfuse3.EntryAttributes:
-    e = pyfuse3.EntryAttributes()
-    e.st_ino = attr.ino
-    e.generation = 0
-    e.entry_timeout = ATTR_TIMEOUT
-    e.attr_timeout = ATTR_TIMEOUT
-    e.st_mode = attr.mode
-    e.st_nlink = attr.nlink
-    e.st_uid = attr.uid
-    e.st_gid = attr.gid
-    e.st_rdev = 0
-    e.st_size = attr.size
-    e.st_blksize = attr.blksize
-    e.st_blocks = -(-attr.size // 512)
-    e.st_atime_ns = attr.atime_ns
-    e.st_mtime_ns = attr.mtime_ns
-    e.st_ctime_ns = attr.ctime_ns
-    return e
+def _one_name(req: Request, skip: int = 0) -> str:
+    return _name(abi.names(req.body[skip:], 1)[0])
 
 
-class Operations(pyfuse3.Operations):
+def entry(attr: Attr) -> bytes:
+    return abi.entry_out(attr, ATTR_TIMEOUT)
+
+
+def attributes(attr: Attr) -> bytes:
+    return abi.attr_out(attr, ATTR_TIMEOUT)
+
+
+class Operations:
     def __init__(
         self,
         fs: FileSystem,
@@ -130,153 +164,266 @@ class Operations(pyfuse3.Operations):
         direct_writes: bool = True,
         cpu_latency: CpuLatencyHold | None = None,
     ) -> None:
-        super().__init__()
         self.fs = fs
         self.cpu_latency = cpu_latency or CpuLatencyHold(0)
-        self.enable_writeback_cache = writeback_cache
+        self.writeback_cache = writeback_cache
         self.direct_writes = direct_writes
 
-    def _direct(self, flags: int) -> bool:
-        return self.direct_writes and (flags & os.O_ACCMODE) == os.O_WRONLY
-
-    @handler
-    async def lookup(self, parent: int, name: bytes, ctx: Any = None) -> pyfuse3.EntryAttributes:
-        return entry(await self.fs.lookup(parent, _name(name)))
-
-    @handler
-    async def getattr(self, inode: int, ctx: Any = None) -> pyfuse3.EntryAttributes:
-        return entry(await self.fs.getattr(inode))
-
-    @handler
-    async def setattr(
-        self, inode: int, attr: Any, fields: Any, fh: int | None, ctx: Any
-    ) -> pyfuse3.EntryAttributes:
-        change = SetAttr(
-            mode=attr.st_mode if fields.update_mode else None,
-            uid=attr.st_uid if fields.update_uid else None,
-            gid=attr.st_gid if fields.update_gid else None,
-            size=attr.st_size if fields.update_size else None,
-            atime_ns=attr.st_atime_ns if fields.update_atime else None,
-            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
+    def handlers(self) -> Handlers:
+        """The session's dispatch table."""
+        return Handlers(
+            slow={
+                Op.LOOKUP: self.lookup,
+                Op.GETATTR: self.getattr,
+                Op.SETATTR: self.setattr,
+                Op.READLINK: self.readlink,
+                Op.SYMLINK: self.symlink,
+                Op.MKNOD: self.mknod,
+                Op.MKDIR: self.mkdir,
+                Op.UNLINK: self.unlink,
+                Op.RMDIR: self.rmdir,
+                Op.RENAME: self.rename,
+                Op.RENAME2: self.rename,
+                Op.LINK: self.link,
+                Op.OPEN: self.open,
+                Op.READ: self.read,
+                Op.WRITE: self.write,
+                Op.STATFS: self.statfs,
+                Op.RELEASE: self.release,
+                Op.FSYNC: self.fsync,
+                Op.FLUSH: self.flush,
+                Op.OPENDIR: self.opendir,
+                Op.READDIRPLUS: self.readdirplus,
+                Op.FSYNCDIR: self.fsyncdir,
+                Op.ACCESS: self.access,
+                Op.CREATE: self.create,
+            },
+            fast={
+                Op.OPEN: self.open_now,
+                Op.RELEASE: self.release_now,
+                Op.FLUSH: self.flush_now,
+                Op.GETATTR: self.getattr_now,
+                Op.FORGET: self.forget_now,
+                Op.BATCH_FORGET: self.batch_forget_now,
+                Op.RELEASEDIR: self.releasedir_now,
+            },
+            writeback_cache=self.writeback_cache,
         )
-        return entry(await self.fs.setattr(inode, change, _caller(ctx)))
 
-    def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
-        for ino, count in inode_list:
-            try:
-                self.fs.forget(ino, count)
-            except Exception:
-                log.exception("forget of inode %d failed", ino)
+    def _open_flags(self, flags: int, keep: bool) -> int:
+        out = abi.FOPEN_KEEP_CACHE if keep else 0
+        if (flags & os.O_ACCMODE) == os.O_RDONLY:
+            # Nothing to do at close for a reader: the kernel skips the FLUSH
+            # (ignored with the writeback cache, which must flush its pages).
+            out |= abi.FOPEN_NOFLUSH
+        elif self.direct_writes and (flags & os.O_ACCMODE) == os.O_WRONLY:
+            out |= abi.FOPEN_DIRECT_IO
+        return out
+
+    # ----- names and attributes -------------------------------------------------------------
+    @handler
+    async def lookup(self, req: Request) -> Reply:
+        return entry(await self.fs.lookup(req.nodeid, _one_name(req)))
 
     @handler
-    async def readlink(self, inode: int, ctx: Any) -> bytes:
-        return await self.fs.readlink(inode)
+    async def getattr(self, req: Request) -> Reply:
+        return attributes(await self.fs.getattr(req.nodeid))
+
+    @fast
+    def getattr_now(self, req: Request) -> Reply | None:
+        attr = self.fs.getattr_now(req.nodeid)
+        return None if attr is None else attributes(attr)
 
     @handler
-    async def opendir(self, inode: int, ctx: Any) -> int:
-        return await self.fs.opendir(inode)
+    async def setattr(self, req: Request) -> Reply:
+        valid, _, _, size, _, atime, mtime, _, atimensec, mtimensec, _, mode, _, uid, gid, _ = (
+            abi.SETATTR_IN.unpack_from(req.body)
+        )
+        now = time.time_ns()
+
+        def when(is_set: int, is_now: int, sec: int, nsec: int) -> int | None:
+            if valid & is_now:
+                return now
+            return sec * 1_000_000_000 + nsec if valid & is_set else None
+
+        change = SetAttr(
+            mode=mode if valid & abi.FATTR_MODE else None,
+            uid=uid if valid & abi.FATTR_UID else None,
+            gid=gid if valid & abi.FATTR_GID else None,
+            size=size if valid & abi.FATTR_SIZE else None,
+            atime_ns=when(abi.FATTR_ATIME, abi.FATTR_ATIME_NOW, atime, atimensec),
+            mtime_ns=when(abi.FATTR_MTIME, abi.FATTR_MTIME_NOW, mtime, mtimensec),
+        )
+        return attributes(await self.fs.setattr(req.nodeid, change, _caller(req)))
+
+    @fast
+    def forget_now(self, req: Request) -> Reply | None:
+        self._forget(req.nodeid, abi.FORGET_IN.unpack_from(req.body)[0])
+        return b""
+
+    def _batch(self, req: Request) -> list[tuple[int, int]]:
+        (count, _) = abi.BATCH_FORGET_IN.unpack_from(req.body)
+        start = abi.BATCH_FORGET_IN.size
+        return [
+            abi.FORGET_ONE.unpack_from(req.body, start + i * abi.FORGET_ONE.size)
+            for i in range(count)
+        ]
+
+    @fast
+    def batch_forget_now(self, req: Request) -> Reply | None:
+        for ino, count in self._batch(req):
+            self._forget(ino, count)
+        return b""
+
+    def _forget(self, ino: int, count: int) -> None:
+        try:
+            self.fs.forget(ino, count)
+        except Exception:
+            log.exception("forget of inode %d failed", ino)
 
     @handler
-    async def readdir(self, fh: int, start_id: int, token: Any) -> None:
-        entries = await self.fs.readdir(fh, start_id)
+    async def readlink(self, req: Request) -> Reply:
+        return await self.fs.readlink(req.nodeid)
+
+    # ----- directories ----------------------------------------------------------------------
+    @handler
+    async def opendir(self, req: Request) -> Reply:
+        return abi.open_out(await self.fs.opendir(req.nodeid), 0)
+
+    @handler
+    async def readdirplus(self, req: Request) -> Reply:
+        fh, start, size, *_ = abi.READ_IN.unpack_from(req.body)
+        entries = await self.fs.readdir(fh, start)
+        out: list[bytes] = []
+        used = 0
         for i, (name, attr) in enumerate(entries):
-            if not pyfuse3.readdir_reply(token, os.fsencode(name), entry(attr), start_id + i + 1):
+            record = abi.dirent_plus(os.fsencode(name), attr, start + i + 1, ATTR_TIMEOUT)
+            if used + len(record) > size:
                 # The kernel's buffer is full: it holds no reference to these yet.
                 for _, unsent in entries[i:]:
                     self.fs.forget(unsent.ino, 0)
                 break
+            out.append(record)
+            used += len(record)
             self.fs.inodes[attr.ino].nlookup += 1
+        return b"".join(out)
+
+    @fast
+    def releasedir_now(self, req: Request) -> Reply | None:
+        self.fs.releasedir(abi.RELEASE_IN.unpack_from(req.body)[0])
+        return b""
 
     @handler
-    async def releasedir(self, fh: int) -> None:
-        self.fs.releasedir(fh)
+    async def fsyncdir(self, req: Request) -> Reply:
+        return b""  # directory changes are applied to the backing store synchronously
 
     @handler
-    async def mkdir(self, parent: int, name: bytes, mode: int, ctx: Any) -> Any:
-        return entry(await self.fs.mkdir(parent, _name(name), mode, _caller(ctx)))
+    async def mkdir(self, req: Request) -> Reply:
+        mode, _ = abi.MKDIR_IN.unpack_from(req.body)
+        name = _one_name(req, abi.MKDIR_IN.size)
+        return entry(await self.fs.mkdir(req.nodeid, name, mode, _caller(req)))
 
     @handler
-    async def rmdir(self, parent: int, name: bytes, ctx: Any) -> None:
-        await self.fs.rmdir(parent, _name(name))
+    async def rmdir(self, req: Request) -> Reply:
+        await self.fs.rmdir(req.nodeid, _one_name(req))
+        return b""
 
     @handler
-    async def unlink(self, parent: int, name: bytes, ctx: Any) -> None:
-        await self.fs.unlink(parent, _name(name))
+    async def unlink(self, req: Request) -> Reply:
+        await self.fs.unlink(req.nodeid, _one_name(req))
+        return b""
 
     @handler
-    async def rename(
-        self, p_old: int, old: bytes, p_new: int, new: bytes, flags: int, ctx: Any
-    ) -> None:
-        await self.fs.rename(p_old, _name(old), p_new, _name(new), flags)
+    async def rename(self, req: Request) -> Reply:
+        if req.op == Op.RENAME2:
+            new_parent, flags, _ = abi.RENAME2_IN.unpack_from(req.body)
+            skip = abi.RENAME2_IN.size
+        else:
+            (new_parent,), flags, skip = abi.RENAME_IN.unpack_from(req.body), 0, abi.RENAME_IN.size
+        old, new = (_name(n) for n in abi.names(req.body[skip:], 2))
+        await self.fs.rename(req.nodeid, old, new_parent, new, flags)
+        return b""
 
     @handler
-    async def symlink(self, parent: int, name: bytes, target: bytes, ctx: Any) -> Any:
-        return entry(await self.fs.symlink(parent, _name(name), target, _caller(ctx)))
+    async def symlink(self, req: Request) -> Reply:
+        name, target = abi.names(req.body, 2)
+        return entry(await self.fs.symlink(req.nodeid, _name(name), target, _caller(req)))
 
     @handler
-    async def link(self, inode: int, new_parent: int, new_name: bytes, ctx: Any) -> Any:
+    async def link(self, req: Request) -> Reply:
         raise OSError(errno.EPERM, "hard links are not supported (a manifest has one name)")
 
     @handler
-    async def mknod(self, parent: int, name: bytes, mode: int, rdev: int, ctx: Any) -> Any:
-        return entry(await self.fs.create_node(parent, _name(name), mode, _caller(ctx)))
+    async def mknod(self, req: Request) -> Reply:
+        mode, _, _, _ = abi.MKNOD_IN.unpack_from(req.body)
+        name = _one_name(req, abi.MKNOD_IN.size)
+        return entry(await self.fs.create_node(req.nodeid, name, mode, _caller(req)))
+
+    # ----- files ----------------------------------------------------------------------------
+    @handler
+    async def create(self, req: Request) -> Reply:
+        flags, mode, _, _ = abi.CREATE_IN.unpack_from(req.body)
+        name = _one_name(req, abi.CREATE_IN.size)
+        fh, attr = await self.fs.create(req.nodeid, name, mode, flags, _caller(req))
+        return [entry(attr), abi.open_out(fh, self._open_flags(flags, True))]
 
     @handler
-    async def create(
-        self, parent: int, name: bytes, mode: int, flags: int, ctx: Any
-    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
-        fh, attr = await self.fs.create(parent, _name(name), mode, flags, _caller(ctx))
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=self._direct(flags)), entry(attr)
+    async def open(self, req: Request) -> Reply:
+        flags, _ = abi.OPEN_IN.unpack_from(req.body)
+        fh, keep = await self.fs.open(req.nodeid, flags, _caller(req))
+        return abi.open_out(fh, self._open_flags(flags, keep))
+
+    @fast
+    def open_now(self, req: Request) -> Reply | None:
+        flags, _ = abi.OPEN_IN.unpack_from(req.body)
+        opened = self.fs.open_now(req.nodeid, flags, _caller(req))
+        if opened is None:
+            return None
+        fh, keep = opened
+        return abi.open_out(fh, self._open_flags(flags, keep))
 
     @handler
-    async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
-        fh, keep = await self.fs.open(inode, flags, _caller(ctx))
-        return pyfuse3.FileInfo(fh=fh, keep_cache=keep, direct_io=self._direct(flags))
-
-    @handler
-    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
-        # Nothing may await between this return and pyfuse3's reply: the
+    async def read(self, req: Request) -> Reply:
+        fh, off, size, *_ = abi.READ_IN.unpack_from(req.body)
+        # Nothing may await between this return and the session's reply: the
         # result can be a view of an arena slot (see RangeReader.read).
         return await self.fs.read(fh, off, size)
 
     @handler
-    async def write(self, fh: int, off: int, buf: bytes) -> int:
-        return await self.fs.write(fh, off, buf)
+    async def write(self, req: Request) -> Reply:
+        fh, off, size, *_ = abi.WRITE_IN.unpack_from(req.body)
+        data = req.body[abi.WRITE_IN.size : abi.WRITE_IN.size + size]
+        written = await self.fs.write(fh, off, data)
+        return abi.WRITE_OUT.pack(written, 0)
 
     @handler
-    async def flush(self, fh: int) -> None:
-        await self.fs.flush(fh)
+    async def flush(self, req: Request) -> Reply:
+        await self.fs.flush(abi.FLUSH_IN.unpack_from(req.body)[0])
+        return b""
+
+    @fast
+    def flush_now(self, req: Request) -> Reply | None:
+        return b"" if self.fs.flush_now(abi.FLUSH_IN.unpack_from(req.body)[0]) else None
 
     @handler
-    async def fsync(self, fh: int, datasync: bool) -> None:
-        await self.fs.fsync(fh)
+    async def fsync(self, req: Request) -> Reply:
+        await self.fs.fsync(abi.FSYNC_IN.unpack_from(req.body)[0])
+        return b""
 
     @handler
-    async def release(self, fh: int) -> None:
-        await self.fs.release(fh)
+    async def release(self, req: Request) -> Reply:
+        await self.fs.release(abi.RELEASE_IN.unpack_from(req.body)[0])
+        return b""
+
+    @fast
+    def release_now(self, req: Request) -> Reply | None:
+        return b"" if self.fs.release_now(abi.RELEASE_IN.unpack_from(req.body)[0]) else None
+
+    # ----- the filesystem -------------------------------------------------------------------
+    @handler
+    async def statfs(self, req: Request) -> Reply:
+        return abi.statfs_out(await self.fs.statfs())
 
     @handler
-    async def fsyncdir(self, fh: int, datasync: bool) -> None:
-        return None  # directory changes are applied to the backing store synchronously
-
-    @handler
-    async def statfs(self, ctx: Any) -> pyfuse3.StatvfsData:
-        st = await self.fs.statfs()
-        out = pyfuse3.StatvfsData()
-        for name in (
-            "f_bsize",
-            "f_frsize",
-            "f_blocks",
-            "f_bfree",
-            "f_bavail",
-            "f_files",
-            "f_ffree",
-            "f_favail",
-            "f_namemax",
-        ):
-            setattr(out, name, getattr(st, name))
-        return out
-
-    @handler
-    async def access(self, inode: int, mode: int, ctx: Any) -> bool:
-        return True  # default_permissions: the kernel checks modes itself
+    async def access(self, req: Request) -> Reply:
+        return b""  # default_permissions: the kernel checks modes itself

@@ -127,7 +127,7 @@ def wait_state(m, state: str, timeout: float = 10) -> dict:  # type: ignore[no-u
 def test_mount_holds_while_used(mounts) -> None:  # type: ignore[no-untyped-def]
     before = kernel_limit()
     m = mounts("held")
-    m.mount(env={"CKPTFS_FUSE_CPU_LATENCY_HOLD": "2"})
+    m.mount(env={"CKPTFS_FUSE_CPU_LATENCY_HOLD": "2", "CKPTFS_FUSE_BURST_LATENCY_HOLD": "0"})
     payload = os.urandom(3 * 4096 + 5)
     (m.mnt / "f").write_bytes(payload)
     assert (m.mnt / "f").read_bytes() == payload
@@ -145,10 +145,39 @@ def test_mount_holds_while_used(mounts) -> None:  # type: ignore[no-untyped-def]
         assert kernel_limit() == before  # the daemon is gone and its request with it
 
     off = mounts("off")
-    off.mount()  # the default: off
+    off.mount(env={"CKPTFS_FUSE_BURST_LATENCY_HOLD": "0"})  # cpu_latency_hold's default: off
     (off.mnt / "g").write_bytes(payload)
     assert (off.mnt / "g").read_bytes() == payload
     if before != 0:
         assert kernel_limit() == before
     assert off.stat()["fuse"]["cpu_latency"]["state"] == "off"
     off.umount()
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not REAL_DEVICE.exists(), reason="needs root and the PM QoS device"
+)
+def test_a_burst_of_small_requests_holds_for_a_moment(mounts) -> None:  # type: ignore[no-untyped-def]
+    """fuse.burst_latency_hold (default 2 ms): taken when a request is
+    answered inline (here: read-only opens of a cached file), let go soon
+    after the last; other requests (a write) do not take it."""
+    before = kernel_limit()
+    m = mounts("burst")
+    m.mount()
+    (m.mnt / "f").write_bytes(os.urandom(4096))
+    time.sleep(0.2)  # past the hold, if the close took it
+    if before != 0:
+        assert kernel_limit() == before
+    held_at_open = []
+    for _ in range(20):
+        os.close(os.open(m.mnt / "f", os.O_RDONLY))  # answered inline
+        held_at_open.append(kernel_limit() == 0)
+    assert any(held_at_open)
+    time.sleep(0.2)
+    burst = m.stat()["fuse"]["burst_latency"]
+    assert burst["state"] == "idle" and burst["holds"] >= 1 and burst["hold"] == 0.002
+    assert burst["held_seconds"] < 1.0  # moments, not the whole test
+    if before != 0:
+        assert kernel_limit() == before
+    assert m.stat()["fuse"]["requests"]["fast"] >= 20
+    m.umount()

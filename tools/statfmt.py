@@ -23,13 +23,22 @@ def peaks_line(peak: dict[str, int] | None) -> str:
     )
 
 
-def cpu_latency_text(cpu: dict[str, Any]) -> str:
+def cpu_latency_text(cpu: dict[str, Any], key: str = "fuse.cpu_latency_hold") -> str:
     taken = f"held {cpu['holds']} time(s), {cpu['held_seconds']:.1f}s in all"
     return {
         "held": f"kept quick to wake while requests flow ({taken})",
         "idle": f"sleep as usual, no recent request ({taken})",
-        "off": "sleep as usual (fuse.cpu_latency_hold is 0)",
+        "off": f"sleep as usual ({key} is 0)",
     }.get(cpu["state"], f"sleep as usual: wake-up latency not held ({cpu['reason']})")
+
+
+def requests_text(fuse: dict[str, Any]) -> str:
+    """How the FUSE requests were answered (fs/fusesession.py)."""
+    r = fuse["requests"]
+    return (
+        f"requests: {r['fast']} answered inline, {r['handled']} by {fuse['workers']} "
+        f"worker task(s) ({r['declined']} declined by a fast path), {r['stateless']} stateless"
+    )
 
 
 def format_stat(s: dict[str, Any]) -> str:
@@ -56,6 +65,11 @@ def format_stat(s: dict[str, Any]) -> str:
             f"fuse:    {fuse['handles']} open handle(s), {fuse['inodes']} inode(s); "
             f"idle CPUs {cpu_latency_text(fuse['cpu_latency'])}"
         )
+    if "burst_latency" in fuse:
+        burst = cpu_latency_text(fuse["burst_latency"], "fuse.burst_latency_hold")
+        lines.append(f"         in bursts of small requests: {burst}")
+    if "requests" in fuse:
+        lines.append(f"         {requests_text(fuse)}")
     for p in s.get("peers", []):
         age = p.get("last_heartbeat_age")
         heard = "never" if age is None else f"{age:.1f}s ago"

@@ -1,0 +1,412 @@
+"""ckptfs's FUSE session: the kernel's requests, read from /dev/fuse and
+answered on the trio loop.
+
+Why not pyfuse3's loop: there every request, however small, runs through
+two task steps and a lock handed between its reader tasks, about 20-45 µs of
+the daemon's CPU on this VM, and pyfuse3 cannot set FOPEN_NOFLUSH.
+``torch.load(mmap=True)`` sends three requests between its two opens (OPEN,
+Python's ``isatty`` IOCTL, OPEN), so that was most of the window in which a
+replace of the path tears the load (issue 13, docs/PERFORMANCE.md).
+
+How a request goes:
+
+- Worker tasks take turns reading, one at a time (the read lock). The reader
+  reads before it waits: a caller on the same CPU runs as soon as it has
+  its reply, and its next request is already there when the reader gets the
+  CPU back, so it costs no wake-up of the loop.
+- INIT, IOCTL (ckptfs has none: ENOTTY, what ``isatty`` gets on any file)
+  and INTERRUPT need no state and are answered on the spot.
+- An operation with a *fast path* (``Handlers.fast``: a read-only open of a
+  file the cache can serve, a reader's release, a getattr that needs no
+  store access, forget) is answered by the reader inline, with no task. A
+  fast path is synchronous, and declines (returns None) before it changes
+  anything when the answer needs an await.
+- Any other request is run by the worker that read it, after it hands the
+  reading to the next worker (one is started if none waits, up to
+  ``workers``). So each request's handler starts before the next request is
+  read, as pyfuse3 did: a writer's RELEASE is handled before the stat that
+  follows it. With every worker busy, reading stops and the kernel holds
+  the rest.
+- After a fast or stateless answer ``Handlers.answered`` is called: the
+  daemon takes a short PM QoS hold there (``fuse.burst_latency_hold``),
+  because a caller's next request usually follows within microseconds and
+  on a VM a halted CPU takes 30-70 µs to wake.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import queue
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from . import fuseabi as abi
+from .fuseabi import Op
+
+log = logging.getLogger("ckptfs.fuse")
+
+Payload = bytes | memoryview
+Reply = Payload | Sequence[Payload]
+SlowHandler = Callable[["Request"], Awaitable[Reply | None]]
+FastHandler = Callable[["Request"], Reply | None]
+
+NO_REPLY = frozenset({Op.FORGET, Op.BATCH_FORGET, Op.INTERRUPT, Op.NOTIFY_REPLY})
+# Bodies larger than this keep their read buffer until handled (a WRITE's
+# data); smaller ones are copied out so that reading goes on in the buffer.
+KEEP_BUFFER_OVER = 64 << 10
+BUFFERS = 16  # spare read buffers of BUFFER_SIZE (1 MiB + a page), pre-faulted
+PAGE = os.sysconf("SC_PAGE_SIZE")
+YIELD_EVERY = 8  # requests the reader answers in a row before other tasks run
+
+
+class FuseError(Exception):
+    """A request's answer is this errno."""
+
+    def __init__(self, err: int) -> None:
+        super().__init__(err, os.strerror(err))
+        self.errno = err
+
+
+class _Unmounted(Exception):
+    """The connection is gone (read(2) said ENODEV)."""
+
+
+@dataclass(slots=True)
+class Request:
+    op: int
+    unique: int
+    nodeid: int
+    uid: int
+    gid: int
+    pid: int  # the caller's thread id (0 for a RELEASE the kernel sends itself)
+    body: memoryview
+    buffer: bytearray | None = None  # a read buffer to give back once handled
+
+
+@dataclass
+class Handlers:
+    """What a session dispatches to: per opcode, an async handler (run by a
+    worker task) and optionally a fast path (synchronous, run by the reader)."""
+
+    slow: dict[int, SlowHandler]
+    fast: dict[int, FastHandler] = field(default_factory=dict)
+    writeback_cache: bool = False
+    answered: Callable[[], None] | None = None  # after each fast or stateless answer
+
+
+@dataclass
+class Counters:
+    fast: int = 0  # answered by a fast path, inline
+    declined: int = 0  # had a fast path that declined: handled by a worker
+    handled: int = 0  # handled by a worker (the async handler)
+    stateless: int = 0  # INIT, IOCTL, INTERRUPT, unknown opcodes
+    workers: int = 0  # worker tasks started so far
+
+
+class Session:
+    """One mount's FUSE connection: ``fd`` is its /dev/fuse descriptor."""
+
+    def __init__(
+        self, fd: int, handlers: Handlers, *, workers: int, buffers: int = BUFFERS
+    ) -> None:
+        os.set_blocking(fd, False)  # the reader waits in the loop, not in read(2)
+        self.fd = fd
+        self.handlers = handlers
+        self.counters = Counters()
+        self.proto_minor = 0
+        self._max_workers = workers
+        self._idle_workers = 0  # waiting for the read lock, or reading
+        self._read_lock = trio.Lock()
+        self._read_buf = _prefaulted(abi.BUFFER_SIZE)  # the read lock holder's
+        self._buffers: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
+        for _ in range(buffers):
+            self._buffers.put(_prefaulted(abi.BUFFER_SIZE))
+        self._stopping = False
+        self._reading: set[trio.CancelScope] = set()  # cancelled at the end
+        self._workers: trio.Nursery | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+
+    # ----- the session's life ------------------------------------------------------------
+    async def run(self) -> None:
+        """Serve until the mount goes away or :meth:`terminate`; returns once
+        every request being handled has been answered."""
+        self._token = trio.lowlevel.current_trio_token()
+        async with trio.open_nursery() as workers:
+            self._workers = workers
+            if not self._stopping:
+                self._add_worker()
+
+    def terminate(self) -> None:
+        """Stop reading requests (from any thread); :meth:`run` returns once
+        the requests being handled are answered."""
+        self._stopping = True
+        if self._token is None:
+            return
+        try:
+            if trio.lowlevel.current_trio_token() is self._token:
+                self._stop_reading()
+                return
+        except RuntimeError:
+            pass  # not in trio
+        try:
+            self._token.run_sync_soon(self._stop_reading)
+        except trio.RunFinishedError:
+            pass
+
+    def _stop_reading(self) -> None:
+        self._stopping = True
+        for scope in self._reading:
+            scope.cancel()
+
+    def close(self) -> None:
+        """Close the connection: open files of the mount then get ENOTCONN."""
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+    # ----- workers ------------------------------------------------------------------------
+    def _add_worker(self) -> None:
+        assert self._workers is not None
+        self.counters.workers += 1
+        self._workers.start_soon(self._worker)
+
+    async def _worker(self) -> None:
+        while not self._stopping:
+            req = None
+            self._idle_workers += 1
+            try:
+                with trio.CancelScope() as scope:
+                    self._reading.add(scope)
+                    try:
+                        async with self._read_lock:
+                            req = await self._next_request()
+                    finally:
+                        self._reading.discard(scope)
+            finally:
+                self._idle_workers -= 1
+            if req is None:
+                self._stop_reading()  # the connection is gone, or terminate()
+                return
+            if not self._idle_workers and self.counters.workers < self._max_workers:
+                self._add_worker()  # someone must read while this one works
+            await self._handle(req)
+
+    async def _next_request(self) -> Request | None:
+        """The next request that needs a worker (the others are answered on
+        the way), its body safe from the next read; None once the connection
+        is gone. Only the holder of the read lock reads, into ``_read_buf``."""
+        served = 0
+        while not self._stopping:
+            try:
+                n = self._read(self._read_buf)
+            except _Unmounted:
+                return None
+            if not n:
+                await trio.lowlevel.wait_readable(self.fd)
+                continue
+            req = _request(self._read_buf, n)
+            if self._answer_inline(req):
+                served += 1
+                if served % YIELD_EVERY == 0:
+                    await trio.lowlevel.checkpoint()  # the other tasks' turn
+                continue
+            self._read_buf = self._hand_on(req, self._read_buf)
+            return req
+        return None
+
+    def _answer_inline(self, req: Request) -> bool:
+        """Whether ``req`` was answered without a worker: INIT, stateless, fast."""
+        if req.op == Op.INIT:
+            self._init(req)
+            return True
+        fast = self.handlers.fast.get(req.op)
+        if fast is not None:
+            if not self._run_fast(fast, req):
+                return False
+            self.counters.fast += 1
+        elif req.op in self.handlers.slow:
+            return False
+        else:
+            self._stateless(req)
+        if self.handlers.answered is not None and req.pid:
+            self.handlers.answered()  # a caller waits for it: more may follow
+        return True
+
+    async def _handle(self, req: Request) -> None:
+        self.counters.handled += 1
+        try:
+            handler = self.handlers.slow[req.op]
+            try:
+                result = await handler(req)
+            except FuseError as exc:
+                self._reply_error(req, exc.errno)
+                return
+            except Exception:
+                log.exception("%s of inode %d failed unexpectedly", _name(req.op), req.nodeid)
+                self._reply_error(req, errno.EIO)
+                return
+            # No await between the handler's return and the reply: a READ's
+            # result may be a view of an arena slot.
+            if req.op not in NO_REPLY and result is not None:
+                self._reply(req, result)
+        finally:
+            if req.buffer is not None:
+                self._buffers.put(req.buffer)
+                req.buffer = None
+
+    # ----- reading and replying -------------------------------------------------------------
+    def _read(self, buf: bytearray) -> int:
+        """One request into ``buf``; 0 if there is none yet."""
+        try:
+            return os.readv(self.fd, [buf])
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                return 0  # interrupted before it was read
+            if exc.errno == errno.ENODEV:
+                raise _Unmounted from None
+            raise
+
+    def _run_fast(self, fast: FastHandler, req: Request) -> bool:
+        """Whether ``fast`` answered ``req`` (replied, or failed with an errno)."""
+        try:
+            result = fast(req)
+        except FuseError as exc:
+            self._reply_error(req, exc.errno)
+            return True
+        except Exception:
+            log.exception("%s of inode %d failed unexpectedly", _name(req.op), req.nodeid)
+            self._reply_error(req, errno.EIO)
+            return True
+        if result is None:
+            self.counters.declined += 1
+            return False
+        if req.op not in NO_REPLY:
+            self._reply(req, result)
+        return True
+
+    def _stateless(self, req: Request) -> None:
+        self.counters.stateless += 1
+        if req.op not in NO_REPLY:  # IOCTL: ENOTTY, as for any file without ioctls
+            self._reply_error(req, errno.ENOTTY if req.op == Op.IOCTL else errno.ENOSYS)
+
+    def _hand_on(self, req: Request, buf: bytearray) -> bytearray:
+        """Make ``req`` outlive the read buffer; returns the buffer to read into next."""
+        if len(req.body) > KEEP_BUFFER_OVER:
+            try:
+                spare = self._buffers.get_nowait()
+            except queue.Empty:
+                spare = None
+            if spare is not None:
+                req.buffer = buf  # the body stays where it was read
+                return spare
+        # Small, or every buffer is held by a handler that waits (writers in
+        # backpressure): a copy, so that reading goes on.
+        req.body = memoryview(bytes(req.body))
+        return buf
+
+    def _reply(self, req: Request, result: Reply) -> None:
+        parts: Sequence[Payload] = (
+            [result] if isinstance(result, bytes | bytearray | memoryview) else result
+        )
+        size = abi.OUT_HEADER.size + sum(len(p) for p in parts)
+        self._write([abi.OUT_HEADER.pack(size, 0, req.unique), *parts], req)
+
+    def _reply_error(self, req: Request, err: int) -> None:
+        if req.op not in NO_REPLY:
+            self._write([abi.OUT_HEADER.pack(abi.OUT_HEADER.size, -err, req.unique)], req)
+
+    def _write(self, parts: Sequence[Payload], req: Request) -> None:
+        try:
+            os.writev(self.fd, parts)
+        except OSError as exc:
+            # ENOENT: the kernel no longer waits for it (interrupted, or the
+            # caller was killed); ENODEV: the mount is gone.
+            if exc.errno not in (errno.ENOENT, errno.ENODEV):
+                log.error("reply to %s of inode %d failed: %s", _name(req.op), req.nodeid, exc)
+
+    def _init(self, req: Request) -> None:
+        self.counters.stateless += 1
+        major, minor, max_readahead, flags = abi.INIT_IN.unpack_from(req.body)
+        if major != abi.KERNEL_MAJOR:
+            if major > abi.KERNEL_MAJOR:  # the kernel asks again in our major
+                self._reply(req, abi.INIT_OUT.pack(abi.KERNEL_MAJOR, 0, *[0] * 11))
+            else:
+                log.error("the kernel speaks FUSE %d.%d; ckptfs needs 7.x", major, minor)
+                self._reply_error(req, errno.EPROTO)
+            return
+        # What libfuse 3.14 asks for by default (and pyfuse3 with it), so the
+        # kernel behaves as it did under pyfuse3: readdirplus only, atomic
+        # O_TRUNC, the filesystem clears setuid/setgid on writes.
+        want = (
+            abi.ASYNC_READ
+            | abi.PARALLEL_DIROPS
+            | abi.AUTO_INVAL_DATA
+            | abi.HANDLE_KILLPRIV
+            | abi.ASYNC_DIO
+            | abi.HAS_IOCTL_DIR
+            | abi.ATOMIC_O_TRUNC
+            | abi.DO_READDIRPLUS
+            | abi.MAX_PAGES
+        )
+        if self.handlers.writeback_cache:
+            want |= abi.WRITEBACK_CACHE
+        max_write = abi.MAX_WRITE if flags & abi.MAX_PAGES else 32 * PAGE
+        self.proto_minor = min(minor, abi.KERNEL_MINOR)
+        reply = abi.INIT_OUT.pack(
+            abi.KERNEL_MAJOR,
+            self.proto_minor,
+            max_readahead,
+            (flags & want) | abi.BIG_WRITES,
+            0,  # max_background: the kernel's default
+            0,  # congestion_threshold: the kernel's default
+            max_write,
+            1,  # time_gran: nanoseconds
+            max_write // PAGE,
+            0,
+            0,
+            0,
+            0,
+        )
+        self._reply(req, reply)
+
+
+def _request(buf: bytearray, n: int) -> Request:
+    _, op, unique, nodeid, uid, gid, pid, _, _ = abi.IN_HEADER.unpack_from(buf)
+    return Request(op, unique, nodeid, uid, gid, pid, memoryview(buf)[abi.IN_HEADER.size : n])
+
+
+def _prefaulted(size: int) -> bytearray:
+    """A read buffer whose pages are already ours (first touch is slow here)."""
+    buf = bytearray(size)
+    buf[::PAGE] = bytes(len(range(0, size, PAGE)))
+    return buf
+
+
+def _name(op: int) -> str:
+    try:
+        return Op(op).name
+    except ValueError:
+        return f"opcode {op}"
+
+
+def describe(session: Session | None) -> dict[str, Any]:
+    if session is None:
+        return {}
+    c = session.counters
+    return {
+        "requests": {
+            "fast": c.fast,
+            "handled": c.handled,
+            "declined": c.declined,
+            "stateless": c.stateless,
+        },
+        "workers": c.workers,
+    }

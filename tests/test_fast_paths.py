@@ -1,0 +1,110 @@
+"""The FUSE fast paths of FileSystem (``open_now``, ``release_now``,
+``flush_now``, ``getattr_now``), called as the session's reader calls them:
+synchronously on the loop, between two task steps, with no task of their
+own. Each either answers exactly as its async operation would, or declines
+(None/False) before it changes anything, and the async operation then does
+the whole work.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import trio
+from ckptfs.fs.filesystem import Caller
+from ckptfs.fs.inodes import ROOT
+from lifecycle_harness import Harness
+from test_getattr import CALLER, close, opened
+
+T = TypeVar("T")
+
+
+def inline(h: Harness, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on the loop, synchronously, as the session's reader runs it."""
+    return trio.from_thread.run_sync(fn, *args, trio_token=h._token)
+
+
+def tables(h: Harness) -> tuple[Any, ...]:
+    """What an open or a release changes: handles, opens and file references."""
+    fs = h.core.fs
+    inodes = {i: (n.opens, n.nlookup, n.kernel_version) for i, n in fs.inodes.by_ino.items()}
+    files = {f.file_id: (f.handles, f.writers) for f in h.core.cache.files.values()}
+    return (dict(fs.handles), inodes, files)
+
+
+def test_a_reader_opens_and_closes_off_the_loop_as_on_it(h: Harness) -> None:
+    fs = h.core.fs
+    ino, fh = opened(h, "a.pt")  # the lookup checked the manifest just now
+    close(h, fh)
+    before = tables(h)
+    got = inline(h, fs.open_now, ino, os.O_RDONLY, CALLER)
+    assert got is not None
+    fh2, keep = got
+    assert keep  # the kernel's pages are of this very version
+    assert fs.handles[fh2].file is fs.inodes[ino].file and not fs.handles[fh2].writable
+    assert inline(h, fs.getattr_now, ino).size == fs.inodes[ino].file.size
+    assert inline(h, fs.flush_now, fh2) is True  # a reader's close publishes nothing
+    assert inline(h, fs.release_now, fh2) is True
+    assert tables(h) == before
+
+
+def test_it_declines_what_needs_the_store_or_the_loop(h: Harness, monkeypatch: Any) -> None:
+    fs = h.core.fs
+    ino, fh = opened(h, "b.pt")
+    close(h, fh)
+    before = tables(h)
+    # Written through: a writable open may truncate, adopt or wait.
+    assert inline(h, fs.open_now, ino, os.O_WRONLY, CALLER) is None
+    assert inline(h, fs.open_now, ino, os.O_RDWR | os.O_TRUNC, CALLER) is None
+    # The check is older than fuse.open_recheck: close-to-open reads the manifest.
+    monkeypatch.setattr(fs.config, "open_recheck", 0.0)
+    assert inline(h, fs.open_now, ino, os.O_RDONLY, CALLER) is None
+    assert inline(h, fs.getattr_now, ino) is None
+    # Directories and unknown inodes go the usual way too.
+    assert inline(h, fs.open_now, ROOT, os.O_RDONLY, CALLER) is None
+    assert tables(h) == before
+
+
+def test_a_file_being_written_here_opens_off_the_loop(h: Harness, monkeypatch: Any) -> None:
+    """Our copy is the current one while a writer has it: no check needed."""
+    fs = h.core.fs
+    monkeypatch.setattr(fs.config, "open_recheck", 0.0)
+    fh_w, attr = h.call(fs.create, ROOT, "w.pt", 0o644, os.O_WRONLY | os.O_CREAT, CALLER)
+    h.call(fs.write, fh_w, 0, b"x" * 100)
+    got = inline(h, fs.open_now, attr.ino, os.O_RDONLY, CALLER)
+    assert got is not None
+    fh_r, keep = got
+    assert not keep  # modified: the kernel must not keep older pages
+    assert inline(h, fs.getattr_now, attr.ino).size == 100
+    # The writer's close publishes, and its release may commit: not off the loop.
+    assert inline(h, fs.flush_now, fh_w) is False
+    assert inline(h, fs.release_now, fh_w) is False
+    assert inline(h, fs.release_now, fh_r) is True
+    close(h, fh_w)
+
+
+def test_the_last_reader_of_a_removed_file_drops_it(h: Harness) -> None:
+    """Open handles keep an unlinked file's bytes; the last release lets go."""
+    fs = h.core.fs
+    ino, fh = opened(h, "c.pt")
+    f = fs.inodes[ino].file
+    assert f.ram_count  # its pages are in RAM
+    h.call(fs.unlink, ROOT, "c.pt")
+    assert f.unlinked and f.ram_count  # still readable through fh
+    assert inline(h, fs.release_now, fh) is True
+    assert fh not in fs.handles
+    inline(h, fs.forget, ino, fs.inodes[ino].nlookup)  # the kernel forgets it
+    assert not f.ram_count and not f.pages  # dropped: its slots went back
+
+
+def test_a_plain_file_is_opened_on_the_loop(h: Harness) -> None:
+    """Its reads go to a descriptor of the backing file, opened in a thread."""
+    (h.backing / "plain.bin").write_bytes(b"plain bytes")
+    fs = h.core.fs
+    ino = h.call(fs.lookup, ROOT, "plain.bin").ino
+    assert inline(h, fs.open_now, ino, os.O_RDONLY, Caller(0, 0)) is None
+    fh, _ = h.call(fs.open, ino, os.O_RDONLY, CALLER)
+    assert inline(h, fs.release_now, fh) is False  # its descriptor is closed in a thread
+    h.call(fs.release, fh)

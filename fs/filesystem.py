@@ -1,4 +1,4 @@
-"""The filesystem's logic, free of pyfuse3 types so it can be tested directly.
+"""The filesystem's logic, free of FUSE types so it can be tested directly.
 
 Names live in the backing directory (:mod:`backing`); file contents live in
 the cache (:mod:`cache`), which owns their state, and are persisted by the

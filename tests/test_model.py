@@ -264,7 +264,12 @@ def test_random_operations_match_a_plain_directory(mounts, monkeypatch):
         database=None,
         suppress_health_check=list(HealthCheck),
     )
-    runner().runTest()
+    # Hypothesis shrinks and stops early at random, so one run's step count varies
+    # (1844 in one CI run); more runs, each with new random examples, make up the floor.
+    for _ in range(4):
+        runner().runTest()
+        if STEPS["count"] >= 2000:
+            break
     assert STEPS["count"] >= 2000, STEPS
     assert os.listdir(m.mnt) == []
     s = m.stat()

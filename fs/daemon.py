@@ -27,7 +27,7 @@ from . import control
 from .config import Config
 from .core import Core
 from .cpulatency import CpuLatencyHold
-from .fusemount import mount, unmount
+from .fusemount import MountFailed, mount, unmount
 from .fusesession import Session
 from .fusesession import describe as describe_session
 from .operations import Operations
@@ -81,10 +81,12 @@ class Daemon:
     async def run(self) -> None:
         core = self.core
         clean = False
+        started = mounted = False
         try:
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
                 await core.start(nursery)
+                started = True
                 if self.peer is not None:
                     await nursery.start(self.peer.run)
                     mirror = self.peer.mirror_client
@@ -100,10 +102,8 @@ class Daemon:
                     self.config.direct_writes,
                     self.cpu_latency,
                 )
-                options = {"default_permissions"}
-                if self.config.allow_other:
-                    options.add("allow_other")
-                fd = mount(str(self.mountpoint), "ckptfs", options)
+                fd = self._mount()
+                mounted = True
                 handlers = ops.handlers()
                 handlers.answered = self.burst_latency.touch
                 self.session = Session(fd, handlers, workers=self.config.fuse_workers)
@@ -134,12 +134,43 @@ class Daemon:
             if clean:
                 shutil.rmtree(core.cache_root, ignore_errors=True)
                 log.info("unmounted %s; everything was durable", self.mountpoint)
-            else:
+            elif mounted:
                 log.warning(
                     "unmounted %s with data not yet durable; it stays in %s for the next mount",
                     self.mountpoint,
                     core.cache_root,
                 )
+            elif started and core.all_durable():
+                # The mount failed (its error is logged) with nothing to keep:
+                # the cache's RAM goes back now, not at the next mount.
+                shutil.rmtree(core.cache_root, ignore_errors=True)
+            else:
+                log.warning(
+                    "%s was not mounted; the cache at %s, with data not yet durable, "
+                    "stays for the next mount",
+                    self.mountpoint,
+                    core.cache_root,
+                )
+
+    def _mount(self) -> int:
+        """The FUSE mount; its /dev/fuse descriptor."""
+        options = {"default_permissions"}
+        if self.config.allow_other:
+            options.add("allow_other")
+        try:
+            return mount(str(self.mountpoint), "ckptfs", options)
+        except MountFailed as exc:
+            if "allow_other" in options and "user_allow_other" in str(exc.strerror):
+                # fusermount3 lets an unprivileged daemon open the mount to
+                # other users only where the administrator allowed it.
+                raise MountFailed(
+                    exc.errno,
+                    f"{exc.strerror} (fuse.allow_other is on by default so that jobs of any"
+                    " user can use the mount; a daemon run by an ordinary user needs"
+                    " 'user_allow_other' in /etc/fuse.conf for that, or `fuse: {allow_other:"
+                    " false}` in its config, which leaves the mount to that user alone)",
+                ) from None
+            raise
 
     def _end_session(self) -> None:
         if self.session is not None:
@@ -282,6 +313,10 @@ async def set_read_ahead(mountpoint: Path, kb: int) -> None:
             if int(knob.read_text()) == kb:
                 return
         log.warning("read-ahead of %s did not stay at %d KiB", mountpoint, kb)
+    except PermissionError as exc:
+        # A daemon run by an ordinary user: nothing it can change. Loads then
+        # read in the kernel's default read-ahead (128 KiB requests).
+        log.info("read-ahead of %s left at the kernel's default: %s", mountpoint, exc)
     except (OSError, StopIteration, ValueError) as exc:
         log.warning("could not set read-ahead of %s to %d KiB: %s", mountpoint, kb, exc)
 
@@ -302,6 +337,17 @@ def setup_logging(log_file: Path | None, foreground: bool) -> None:
 
 
 def run_daemon(config: Config, mountpoint: Path) -> None:
+    try:
+        _run_daemon(config, mountpoint)
+    except* MountFailed as failed:
+        # One line for the log and for `ckptfs mount`, which shows the
+        # daemon's last error line, rather than a traceback of the nursery.
+        for exc in failed.exceptions:
+            log.error("%s", exc.strerror if isinstance(exc, OSError) else exc)
+        sys.exit(1)
+
+
+def _run_daemon(config: Config, mountpoint: Path) -> None:
     faulthandler.register(signal.SIGUSR1)
     # 0755: every user may reach the control socket (it checks who asks).
     config.run_dir.mkdir(parents=True, exist_ok=True, mode=0o755)

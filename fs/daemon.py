@@ -104,10 +104,10 @@ class Daemon:
                 )
                 fd = self._mount()
                 mounted = True
-                handlers = ops.handlers()
-                handlers.answered = self.burst_latency.touch
-                self.session = Session(fd, handlers, workers=self.config.fuse_workers)
                 try:
+                    handlers = ops.handlers()
+                    handlers.answered = self.burst_latency.touch
+                    self.session = Session(fd, handlers, workers=self.config.fuse_workers)
                     await nursery.start(control.serve, self.sock_path, self._routes(), self.owners)
                     nursery.start_soon(self._signals)
                     nursery.start_soon(set_read_ahead, self.mountpoint, self.config.read_ahead_kb)
@@ -125,8 +125,13 @@ class Daemon:
                     await self.session.run()
                     clean = core.all_durable()
                 finally:
-                    unmount(str(self.mountpoint))
-                    self.session.close()
+                    try:
+                        unmount(str(self.mountpoint))
+                    finally:
+                        if self.session is not None:
+                            self.session.close()
+                        else:
+                            os.close(fd)
                 nursery.cancel_scope.cancel()
         finally:
             core.close()
@@ -180,8 +185,12 @@ class Daemon:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
                 if self._terminating:
+                    # Requests still waiting (a close at durability backing
+                    # waits for the store) are cancelled: what they wrote
+                    # stays in the cache for the next mount.
                     log.warning("second signal: unmounting without waiting for the flush")
-                    self._end_session()
+                    if self.session is not None:
+                        self.session.abort()
                     return
                 log.info("signal %s: flushing, then unmounting", signal.Signals(signum).name)
                 self.nursery.start_soon(self._drain_and_terminate)

@@ -104,7 +104,9 @@ FATTR_MTIME_NOW = 1 << 8
 
 IN_HEADER = struct.Struct("<IIQQIIIHH")  # len opcode unique nodeid uid gid pid extlen pad
 OUT_HEADER = struct.Struct("<IiQ")  # len error unique
-ATTR = struct.Struct("<QQQQQQIIIIIIIIII")  # fuse_attr
+# Times are signed seconds (the kernel reads the u64 fields as s64): a file
+# may be dated before 1970 (tar of old archives, touch -d 1960-01-01).
+ATTR = struct.Struct("<QQQqqqIIIIIIIIII")  # fuse_attr
 ENTRY_OUT = struct.Struct("<QQQQII" + ATTR.format[1:])  # fuse_entry_out
 ATTR_OUT = struct.Struct("<QII" + ATTR.format[1:])  # fuse_attr_out
 OPEN_OUT = struct.Struct("<QIi")  # fh open_flags backing_id
@@ -126,7 +128,7 @@ FSYNC_IN = struct.Struct("<QII")  # fh fsync_flags padding
 FORGET_IN = struct.Struct("<Q")  # nlookup
 BATCH_FORGET_IN = struct.Struct("<II")  # count dummy
 FORGET_ONE = struct.Struct("<QQ")  # nodeid nlookup
-SETATTR_IN = struct.Struct("<IIQQQQQQIIIIIIII")  # fuse_setattr_in
+SETATTR_IN = struct.Struct("<IIQQQqqqIIIIIIII")  # fuse_setattr_in (signed times)
 KSTATFS = struct.Struct("<QQQQQIIII24x")  # fuse_kstatfs
 DIRENT = struct.Struct("<QQII")  # ino off namelen type (then the name)
 assert (IN_HEADER.size, OUT_HEADER.size, ATTR.size) == (40, 16, 88)

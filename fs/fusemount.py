@@ -10,11 +10,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import logging
 import os
 import socket
 import stat
 import subprocess
 from collections.abc import Iterable
+
+log = logging.getLogger(__name__)
 
 MS_NOSUID = 2
 MS_NODEV = 4
@@ -88,8 +91,10 @@ def _mount_fusermount(mountpoint: str, fsname: str, opts: list[str]) -> int:
         try:
             _, fds, _, _ = socket.recv_fds(ours, 1, 1)
         except OSError as exc:
+            _undo(mountpoint)
             raise MountFailed(exc.errno, f"cannot mount {mountpoint}: {exc}") from None
     if not fds:
+        _undo(mountpoint)
         raise MountFailed(errno.EIO, f"cannot mount {mountpoint}: {FUSERMOUNT} sent no descriptor")
     os.set_inheritable(fds[0], False)
     return fds[0]
@@ -110,3 +115,12 @@ def unmount(mountpoint: str) -> None:
         timeout=60,
         check=False,
     )
+
+
+def _undo(mountpoint: str) -> None:
+    """fusermount3 mounted but we have no descriptor: nobody would ever serve
+    the mount (ENOTCONN for every user of it), so it goes at once."""
+    try:
+        unmount(mountpoint)
+    except Exception as exc:  # the mount error is what the caller must see
+        log.warning("could not undo the mount of %s: %s", mountpoint, exc)

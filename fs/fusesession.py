@@ -23,10 +23,13 @@ How a request goes:
   anything when the answer needs an await.
 - Any other request is run by the worker that read it, after it hands the
   reading to the next worker (one is started if none waits, up to
-  ``workers``). So each request's handler starts before the next request is
-  read, as pyfuse3 did: a writer's RELEASE is handled before the stat that
-  follows it. With every worker busy, reading stops and the kernel holds
-  the rest.
+  ``workers``). So each request's handler starts (runs up to its first
+  await) before the next request is read, as pyfuse3 did. The kernel does
+  not promise that a writer's RELEASE, a background request, comes before a
+  later request of the same caller; nothing here relies on it (while it is
+  on its way the file still has its writer, and fast paths answer from our
+  copy). With every worker busy, reading stops and the kernel holds the
+  rest.
 - After a fast or stateless answer ``Handlers.answered`` is called: the
   daemon takes a short PM QoS hold there (``fuse.burst_latency_hold``),
   because a caller's next request usually follows within microseconds and
@@ -158,6 +161,14 @@ class Session:
         except trio.RunFinishedError:
             pass
 
+    def abort(self) -> None:
+        """Stop reading and cancel the handlers still running (on the loop):
+        :meth:`run` returns at once. Their callers get no reply here; the
+        kernel fails their requests when the connection closes."""
+        self._stop_reading()
+        if self._workers is not None:
+            self._workers.cancel_scope.cancel()
+
     def _stop_reading(self) -> None:
         self._stopping = True
         for scope in self._reading:
@@ -165,8 +176,11 @@ class Session:
 
     def close(self) -> None:
         """Close the connection: open files of the mount then get ENOTCONN."""
+        fd, self.fd = self.fd, -1
+        if fd < 0:
+            return  # closed already: the number may be another file's by now
         try:
-            os.close(self.fd)
+            os.close(fd)
         except OSError:
             pass
 
@@ -241,7 +255,11 @@ class Session:
     async def _handle(self, req: Request) -> None:
         self.counters.handled += 1
         try:
-            handler = self.handlers.slow[req.op]
+            handler = self.handlers.slow.get(req.op)
+            if handler is None:  # a fast path declined with nothing behind it
+                log.error("%s of inode %d: no handler", _name(req.op), req.nodeid)
+                self._reply_error(req, errno.ENOSYS)
+                return
             try:
                 result = await handler(req)
             except FuseError as exc:
@@ -253,7 +271,12 @@ class Session:
                 return
             # No await between the handler's return and the reply: a READ's
             # result may be a view of an arena slot.
-            if req.op not in NO_REPLY and result is not None:
+            if req.op in NO_REPLY:
+                pass
+            elif result is None:  # a caller must never wait for ever
+                log.error("%s of inode %d: the handler gave no reply", _name(req.op), req.nodeid)
+                self._reply_error(req, errno.EIO)
+            else:
                 self._reply(req, result)
         finally:
             if req.buffer is not None:
@@ -270,9 +293,11 @@ class Session:
         except OSError as exc:
             if exc.errno == errno.ENOENT:
                 return 0  # interrupted before it was read
-            if exc.errno == errno.ENODEV:
-                raise _Unmounted from None
-            raise
+            if exc.errno not in (errno.ENODEV, errno.ECONNABORTED):
+                log.error("reading /dev/fuse failed, ending the session: %s", exc)
+            # Unmounted, aborted (/sys/fs/fuse/connections/N/abort), or
+            # unreadable: the session ends, and with it the mount.
+            raise _Unmounted from None
 
     def _run_fast(self, fast: FastHandler, req: Request) -> bool:
         """Whether ``fast`` answered ``req`` (replied, or failed with an errno)."""
@@ -320,6 +345,11 @@ class Session:
         self._write([abi.OUT_HEADER.pack(size, 0, req.unique), *parts], req)
 
     def _reply_error(self, req: Request, err: int) -> None:
+        if not 0 < err < 512:
+            # The kernel refuses any other error value and would leave the
+            # caller waiting for a reply that never comes.
+            log.error("%s of inode %d: errno %r is no errno", _name(req.op), req.nodeid, err)
+            err = errno.EIO
         if req.op not in NO_REPLY:
             self._write([abi.OUT_HEADER.pack(abi.OUT_HEADER.size, -err, req.unique)], req)
 
@@ -358,7 +388,8 @@ class Session:
         )
         if self.handlers.writeback_cache:
             want |= abi.WRITEBACK_CACHE
-        max_write = abi.MAX_WRITE if flags & abi.MAX_PAGES else 32 * PAGE
+        # At most what a read buffer holds: the kernel refuses reads into less.
+        max_write = abi.MAX_WRITE if flags & abi.MAX_PAGES else min(32 * PAGE, abi.MAX_WRITE)
         self.proto_minor = min(minor, abi.KERNEL_MINOR)
         reply = abi.INIT_OUT.pack(
             abi.KERNEL_MAJOR,

@@ -365,7 +365,10 @@ class Operations:
         flags, mode, _, _ = abi.CREATE_IN.unpack_from(req.body)
         name = _one_name(req, abi.CREATE_IN.size)
         fh, attr = await self.fs.create(req.nodeid, name, mode, flags, _caller(req))
-        return [entry(attr), abi.open_out(fh, self._open_flags(flags, True))]
+        # Its handle writes whatever the flags (the file is new): close must
+        # send the FLUSH that commits it, even after O_CREAT | O_RDONLY.
+        open_flags = self._open_flags(flags, True) & ~abi.FOPEN_NOFLUSH
+        return [entry(attr), abi.open_out(fh, open_flags)]
 
     @handler
     async def open(self, req: Request) -> Reply:

@@ -108,3 +108,34 @@ def test_a_plain_file_is_opened_on_the_loop(h: Harness) -> None:
     fh, _ = h.call(fs.open, ino, os.O_RDONLY, CALLER)
     assert inline(h, fs.release_now, fh) is False  # its descriptor is closed in a thread
     h.call(fs.release, fh)
+
+
+def test_open_flags_leave_the_flush_to_whoever_may_write(h: Harness) -> None:
+    """FOPEN_NOFLUSH (no FLUSH at close) only for a handle that cannot write:
+    a read-only open. A create's handle writes whatever its flags say, and
+    its close must commit (the close is the durability point)."""
+    from ckptfs.fs import fuseabi as abi
+    from ckptfs.fs.fuseabi import Op
+    from ckptfs.fs.fusesession import Request
+    from ckptfs.fs.operations import Operations
+
+    ops = Operations(h.core.fs, writeback_cache=False)
+
+    def create(name: str, flags: int) -> int:
+        body = memoryview(abi.CREATE_IN.pack(flags, 0o644, 0o022, 0) + name.encode() + b"\0")
+        entry, opened = h.call(ops.create, Request(Op.CREATE, 1, ROOT, 0, 0, 1, body))
+        fh, open_flags, _ = abi.OPEN_OUT.unpack(opened)
+        assert h.core.fs.handles[fh].writable
+        h.call(h.core.fs.release, fh)
+        return open_flags
+
+    for flags in (os.O_RDONLY, os.O_WRONLY, os.O_RDWR, os.O_RDONLY | os.O_EXCL):
+        assert not create(f"new{flags}", os.O_CREAT | flags) & abi.FOPEN_NOFLUSH, flags
+    ino, fh = opened(h, "c.pt")
+    close(h, fh)
+    body = memoryview(abi.OPEN_IN.pack(os.O_RDONLY, 0))
+    fh_r, open_flags, _ = abi.OPEN_OUT.unpack(
+        h.call(ops.open, Request(Op.OPEN, 2, ino, 0, 0, 1, body))
+    )
+    assert open_flags & abi.FOPEN_NOFLUSH and not h.core.fs.handles[fh_r].writable
+    h.call(h.core.fs.release, fh_r)

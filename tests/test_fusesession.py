@@ -18,10 +18,12 @@ import termios
 import textwrap
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -31,6 +33,7 @@ from ckptfs.fs.fuseabi import Op
 from ckptfs.fs.fusesession import FuseError, Handlers, Request, Session
 
 TIMEOUT = 20
+DIRS = 1 << 40  # Tiny's inode numbers of directories start here
 
 
 def _is_mounted(path: Path) -> bool:
@@ -67,7 +70,7 @@ class Tiny:
         self.writes_in_flight = 0
 
     def _attr(self, ino: int) -> TinyAttr:
-        if ino == abi.ROOT_ID:
+        if ino == abi.ROOT_ID or ino >= DIRS:
             return TinyAttr(ino, stat.S_IFDIR | 0o755, 0)
         return TinyAttr(ino, stat.S_IFREG | 0o644, len(self.files.setdefault(ino, bytearray())))
 
@@ -88,6 +91,7 @@ class Tiny:
                 Op.SETATTR: self.getattr,
                 Op.MKDIR: self.mkdir,
                 Op.UNLINK: self.unlink,
+                Op.RMDIR: self.rmdir,
             },
             fast={
                 Op.OPEN: self.open_now,
@@ -102,6 +106,8 @@ class Tiny:
             return abi.entry_out(self._attr(2), self.timeout)
         if name.startswith(b"f") and name[1:].isdigit():
             return abi.entry_out(self._attr(2 + int(name[1:])), self.timeout)
+        if name.startswith(b"rm"):  # empty directories, for rmdir
+            return abi.entry_out(self._attr(DIRS + zlib.crc32(name)), self.timeout)
         raise FuseError(errno.ENOENT)
 
     async def getattr(self, req: Request) -> bytes:
@@ -161,6 +167,15 @@ class Tiny:
     async def unlink(self, req: Request) -> bytes:
         raise ValueError("a handler bug")
 
+    async def rmdir(self, req: Request) -> bytes | None:
+        # Handler bugs that must still answer: rm-2 raises a negative errno
+        # (socket.gaierror's), rm600 one past the kernel's range, rmnone
+        # returns no reply at all; rmN raises errno N.
+        name = abi.names(req.body, 1)[0]
+        if name == b"rmnone":
+            return None
+        raise FuseError(int(name[2:]))
+
 
 @contextmanager
 def served(
@@ -174,6 +189,7 @@ def served(
     ready = threading.Event()
     tokens: list[trio.lowlevel.TrioToken] = []
     ended = threading.Event()
+    errors: list[BaseException] = []
 
     async def main() -> None:
         tokens.append(trio.lowlevel.current_trio_token())
@@ -183,6 +199,8 @@ def served(
     def loop() -> None:
         try:
             trio.run(main)
+        except BaseException as exc:  # the test fails on it below
+            errors.append(exc)
         finally:
             ended.set()
 
@@ -198,6 +216,7 @@ def served(
         session.close()
         thread.join(TIMEOUT)
         assert not _is_mounted(mnt)
+        assert not errors, errors  # the session ends without an exception
 
 
 def test_a_mount_answers_inline_and_through_workers(tmp_path: Path) -> None:
@@ -373,3 +392,70 @@ def _mount_as_nobody(mnt: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["as", "nobody", "True"]
     assert not _is_mounted(mnt)
+
+
+def _bounded(fn: Any, *args: Any) -> BaseException | None:
+    """What ``fn(*args)`` raised, from a thread, failing if it hangs."""
+    out: list[BaseException | None] = []
+
+    def call() -> None:
+        try:
+            fn(*args)
+            out.append(None)
+        except BaseException as exc:
+            out.append(exc)
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(TIMEOUT)
+    assert out, f"{fn.__name__}{args} got no answer within {TIMEOUT}s"
+    return out[0]
+
+
+def test_a_handler_bug_still_answers_the_caller(tmp_path: Path) -> None:
+    """An errno the kernel would refuse, or no reply at all, must not leave
+    the caller waiting for ever: it gets EIO."""
+    with served(tmp_path, Tiny(b"")) as (mnt, session, _):
+        for name in ("rm-2", "rm600", "rm0", "rmnone"):
+            err = _bounded(os.rmdir, mnt / name)
+            assert isinstance(err, OSError) and err.errno == errno.EIO, (name, err)
+        err = _bounded(os.rmdir, mnt / "rm39")  # a real errno goes through
+        assert isinstance(err, OSError) and err.errno == errno.ENOTEMPTY
+        assert _is_mounted(mnt)
+
+
+@contextmanager
+def fusectl() -> Iterator[Path]:
+    """/sys/fs/fuse/connections, mounted for the test if it is not."""
+    where = Path("/sys/fs/fuse/connections")
+    ours = not _is_mounted(where)
+    if ours:
+        proc = subprocess.run(["mount", "-t", "fusectl", "fusectl", str(where)], check=False)
+        if proc.returncode != 0:
+            pytest.skip("cannot mount fusectl")
+    try:
+        yield where
+    finally:
+        if ours:
+            subprocess.run(["umount", str(where)], check=False, timeout=TIMEOUT)
+
+
+def test_an_aborted_connection_ends_the_session_cleanly(tmp_path: Path) -> None:
+    """`echo 1 > /sys/fs/fuse/connections/N/abort`, the way out of a hung
+    mount: the reader gets ECONNABORTED, and the session ends as at unmount."""
+    tiny = Tiny(b"abc")
+    with served(tmp_path, tiny) as (mnt, session, token):
+        assert (mnt / "f").read_bytes() == b"abc"
+        with fusectl() as connections:
+            (connections / str(os.minor(os.stat(mnt).st_dev)) / "abort").write_text("1")
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            try:
+                trio.from_thread.run_sync(lambda: None, trio_token=token)
+            except trio.RunFinishedError:
+                break  # session.run() returned, and trio.run with it
+            assert time.monotonic() < deadline, "the session did not end after the abort"
+            time.sleep(0.05)
+        with pytest.raises(OSError) as err:
+            (mnt / "f").read_bytes()
+        assert err.value.errno == errno.ENOTCONN

@@ -228,3 +228,35 @@ def test_the_mount_root_takes_chmod_chown_and_utime(mounted):
     os.chown(root, 0, 0)
     os.chmod(root, 0o755)
     assert stat.S_IMODE(os.stat(root).st_mode) == 0o755
+
+
+def test_times_before_1970_and_far_ahead(mounted):
+    """tar of old archives and `touch -d 1960-01-01` set times before the
+    epoch: negative seconds, which the FUSE protocol carries as signed. A
+    stat, a listing and a remount keep them, on files, directories and the
+    backing directory alike."""
+    d = mounted.mnt / "old"
+    d.mkdir()
+    f = d / "weights.pt"
+    f.write_bytes(os.urandom(5000))
+    times = {
+        f: (-315_619_200_123_456_789, -1),  # 1960-01-01 and the last ns of 1969
+        d: (-86_400_000_000_000, -999_999_999),
+        mounted.mnt / "future": (32_503_680_000_000_000_000, 4_102_444_800_000_000_001),
+    }
+    (mounted.mnt / "future").write_bytes(b"x")
+    for path, ns in times.items():
+        os.utime(path, ns=ns)
+    for path, (atime, mtime) in times.items():
+        st = os.stat(path)
+        assert (st.st_atime_ns, st.st_mtime_ns) == (atime, mtime), path
+    assert sorted(os.listdir(d)) == ["weights.pt"]
+    assert [e.stat().st_mtime_ns for e in os.scandir(mounted.mnt) if e.name == "old"] == [
+        -999_999_999
+    ]
+    mounted.wait_durable()
+    mounted.umount()
+    mounted.mount()
+    for path, (_, mtime) in times.items():
+        assert os.stat(path).st_mtime_ns == mtime, path
+    assert os.stat(mounted.backing / "old").st_mtime_ns == -999_999_999

@@ -567,6 +567,8 @@ class Cache:
             f.mirror = state
             if state is MirrorState.ACKED:
                 f.mirrored_at = time.time()
+            elif state is MirrorState.FALLBACK:
+                f.mirrored_at = None  # the history must not say mirrored
             self._notify(f)
 
     # ----- buddy mirroring: the buddy's side ------------------------------------
@@ -701,7 +703,7 @@ class Cache:
         uid: int,
         gid: int,
         ram: dict[int, tuple[int, int]],
-        spilled: dict[int, Chunk],
+        spilled: dict[int, tuple[Chunk, int]],
         base: ChunkMap,
         floor: int,
     ) -> list[int]:
@@ -735,8 +737,8 @@ class Cache:
             self._drop_mirror_page(f, p)
         for p, (_gen, fill) in ram.items():
             f.pages[p].fill = fill
-        for p, chunk in spilled.items():
-            f.pages[p] = Page(PageState.SPILLED, -1, chunk.length, 0, chunk)
+        for p, (chunk, fill) in spilled.items():
+            f.pages[p] = Page(PageState.SPILLED, -1, fill, 0, chunk)
         f.file_id, f.version, f.path, f.size = (
             manifest.file_id,
             manifest.version,
@@ -764,13 +766,14 @@ class Cache:
         return True
 
     def mirror_drop(self, origin: str, mid: str, version: str) -> bool:
-        """The writer needs no mirror of ``mid`` at ``version`` any more; ""
-        is for good (the content is gone or fell back: later pages of it are
-        refused)."""
-        if not version:
-            self._gone_mirrors[mid] = None
-            if len(self._gone_mirrors) > MAX_GONE_MIRRORS:
-                del self._gone_mirrors[next(iter(self._gone_mirrors))]
+        """The writer needs no mirror of ``mid`` at ``version`` any more
+        (durable), or of any version (""; the content is gone or fell back).
+        Either way the writer is done with ``mid`` (its next content gets a
+        new id), so later pages of it are refused: a late one must not make
+        a new mirror that nothing would ever drop."""
+        self._gone_mirrors[mid] = None
+        if len(self._gone_mirrors) > MAX_GONE_MIRRORS:
+            del self._gone_mirrors[next(iter(self._gone_mirrors))]
         f = self.mirrors.get(mid)
         if f is None or f.origin != origin or f.role is not FileRole.MIRROR:
             return False

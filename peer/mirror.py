@@ -73,6 +73,9 @@ MAX_BATCH_PAGES = 64  # what a buddy accepts in one request
 # to local durability. A file larger than that space falls back at once.
 BUSY_WAIT = 30.0
 BUSY_RETRY = 0.05
+# Passes of a resync over the versions at risk: a rewrite during a pass can
+# move one to another file, which the next pass finds.
+RESYNC_ROUNDS = 4
 BUSY_PAUSE = 1.0  # streaming pauses this long after the buddy said "busy"
 # A commit sends a page that arrived damaged (hash mismatch) again at once,
 # this many times, before the file falls back to local durability.
@@ -482,48 +485,54 @@ class MirrorClient:
 
     async def resync(self) -> int:
         """The buddy came back (it may have restarted empty): mirror again
-        every pending file it was holding. Returns how many it holds now."""
-        files = [
-            f
-            for f in self.cache.all_files()
-            if f.role is FileRole.LOCAL
-            and f.state is FileState.PENDING
-            and f.mirror is MirrorState.ACKED
-        ]
+        every pending version it was holding. Returns how many it holds now.
+
+        Versions are followed by mirror id, not by file: a rewrite of the
+        name meanwhile (truncate to 0) moves a pending version to a retired
+        file that keeps its mirror id. A commit being published now was
+        acknowledged by the buddy's previous life too: its lock is held
+        until the publish ends, and the version is then mirrored again."""
+        at_risk = {f.mirror_id for f in self.cache.all_files() if _acknowledged_or_publishing(f)}
+        sent: set[str] = set()
         held = 0
         self._down_until = 0.0  # the membership heard from it
         self._wake.set()  # drops it missed while it was away
-        for f in files:
-            # The commit path's lock: a commit of this file meanwhile would
-            # race this one to the buddy, which takes whichever lands last.
-            # Checked again once held: the commits of earlier files (and the
-            # wait for the lock) let writes and commits run, and a file no
-            # longer PENDING would send changed pages under its old version.
-            async with f.commit_lock:
-                if not (
-                    f.role is FileRole.LOCAL
-                    and f.state is FileState.PENDING
-                    and f.mirror is MirrorState.ACKED
-                ):
-                    continue  # changed since: its next commit mirrors it
-                self._acked.pop(f.mirror_id, None)
-                snap = self.cache.journal_snapshot(f)
-                manifest = Manifest(
-                    f.file_id, f.version, f.size, f.mode, f.mtime_ns, "pending", list(f.holders),
-                    chunking=f.chunking, atime_ns=f.atime_ns,
-                )  # fmt: skip
-                try:
-                    await self._commit(snap, manifest)
-                except MirrorFailed as exc:
+        for _ in range(RESYNC_ROUNDS):
+            todo = [
+                f
+                for f in self.cache.all_files()
+                if f.mirror_id in at_risk - sent and _acknowledged_or_publishing(f)
+            ]
+            if not todo:
+                break
+            for f in todo:
+                # The commit path's lock: a commit of this file meanwhile would
+                # race this one to the buddy, which takes whichever lands last.
+                # Checked again once held: the commits of earlier files (and the
+                # wait for the lock) let writes and commits run, and a file no
+                # longer PENDING would send changed pages under its old version.
+                async with f.commit_lock:
+                    if f.mirror_id in sent or not _acknowledged(f):
+                        continue  # changed since: its next commit mirrors it
+                    sent.add(f.mirror_id)
+                    self._acked.pop(f.mirror_id, None)
+                    snap = self.cache.journal_snapshot(f)
+                    manifest = Manifest(
+                        f.file_id, f.version, f.size, f.mode, f.mtime_ns, "pending",
+                        list(f.holders), chunking=f.chunking, atime_ns=f.atime_ns,
+                    )  # fmt: skip
+                    try:
+                        await self._commit(snap, manifest)
+                    except MirrorFailed as exc:
+                        if _still(f, snap):
+                            self._fall_back(f, str(exc))
+                        continue
+                    # Not counted if written meanwhile: its next commit mirrors it.
                     if _still(f, snap):
-                        self._fall_back(f, str(exc))
-                    continue
-                # Not counted if written meanwhile: its next commit mirrors it.
-                if _still(f, snap):
-                    held += 1
-        if files:
+                        held += 1
+        if at_risk:
             log.info("buddy %s is back: %d of %d pending file(s) mirrored again",
-                     self.buddy, held, len(files))  # fmt: skip
+                     self.buddy, held, len(sent))  # fmt: skip
         return held
 
     def stats(self) -> dict[str, Any]:
@@ -536,6 +545,19 @@ class MirrorClient:
             "fallbacks": self.fallbacks,
             "fallback_paths": list(self.fallback_paths[-10:]),
         }
+
+
+def _acknowledged(f: CachedFile) -> bool:
+    """A pending version of ours that the buddy acknowledged holding."""
+    return (
+        f.role is FileRole.LOCAL and f.state is FileState.PENDING and f.mirror is MirrorState.ACKED
+    )
+
+
+def _acknowledged_or_publishing(f: CachedFile) -> bool:
+    """Acknowledged, or being published (its commit may have been acknowledged
+    by the buddy before it restarted)."""
+    return _acknowledged(f) or (f.role is FileRole.LOCAL and f.state is FileState.PUBLISHING)
 
 
 def _still(f: CachedFile, snap: Snapshot) -> bool:
@@ -754,10 +776,15 @@ class MirrorServer:
             raise ValueError(
                 f"commit of {body.get('path')!r} lists a page newer than its floor {floor}"
             )
+        # A spilled page's fill may be shorter than its chunk: the file was
+        # truncated inside the page after it spilled (bytes past the fill read
+        # as zeros, here as at the writer).
         spilled = {
-            int(p): Chunk(int(off), int(length), str(digest))
-            for p, off, length, digest, _fill in body["spilled"]
+            int(p): (Chunk(int(off), int(length), str(digest)), int(fill))
+            for p, off, length, digest, fill in body["spilled"]
         }
+        if any(not 0 <= fill <= chunk.length for chunk, fill in spilled.values()):
+            raise ValueError(f"commit of {body.get('path')!r} has a spilled page past its chunk")
         base = ChunkMap.of(
             [Chunk(int(o), int(n), str(h)) for o, n, h in body["base"]], int(body["base_end"])
         )

@@ -225,6 +225,14 @@ def test_a_full_mirror_quota_answers_busy_and_frees_on_drop(tmp_path: Path):
         assert cache.mirror_drop("n1", "m1", "v1")
         assert cache.mirror_slots == 0 and cache.arena.used_slots == 0
         assert await cache.mirror_page("n1", "m2", "f1", 0, 4, page, timeout=1)
+        # The writer is done with m1 (durable: its next content has a new id).
+        # A page of it still on the way must not make a mirror nothing drops.
+        try:
+            await cache.mirror_page("n1", "m1", "f1", 2, 3, page, timeout=1)
+            raise AssertionError("a late page of a dropped mirror was taken")
+        except OSError as exc:
+            assert exc.errno == errno.ESTALE
+        assert "m1" not in cache.mirrors and cache.mirror_slots == 1
 
     trio.run(main)
 
@@ -868,3 +876,130 @@ def test_a_resync_takes_the_commit_lock_and_mirrors_only_unchanged_versions(tmp_
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def restarted_buddy(tmp_path: Path, link: GatedLink, name: str) -> Cache:
+    """The buddy's daemon restarted empty: a new cache behind the same link."""
+    fresh = small_cache(tmp_path, name)
+    link.server = buddy_of_n1(fresh)
+    return fresh
+
+
+def test_a_resync_follows_a_pending_version_that_a_rewrite_moved_aside(tmp_path: Path):
+    """The buddy restarts; while the resync's commit of one file waits, the
+    trainer saves over another (truncate to 0, as torch.save to the same
+    name): its pending version moves to a retired file with the same mirror
+    id. The restarted buddy must hold that version all the same: the pending
+    manifest still names it as a holder."""
+
+    async def main() -> None:
+        writer, _, client, link = writer_and_buddy(tmp_path, hold=None)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.run)
+            fx = writer.new_file("fx", "v0", "x.pt", 0o644, 0, 0)
+            fa = writer.new_file("fa", "v0", "a.pt", 0o644, 0, 0)
+            a_bytes = os.urandom(3000)
+            await writer.write(fx, 0, os.urandom(100))
+            await writer.write(fa, 0, a_bytes)
+            for f in (fx, fa):
+                assert await commit(writer, client, f) == ["n1", "n2"]
+            va = fa.version
+            buddy = restarted_buddy(tmp_path, link, "n2b")
+            link.hold = COMMIT  # the resync's commit of the first file waits
+            async with trio.open_nursery() as race:
+                race.start_soon(client.resync)
+                await link.held.wait()
+                await writer.truncate(fa, 0)
+                await writer.write(fa, 0, b"new" * 10)
+                link.open.set()
+            (old,) = [r for r in writer.retired if r.file_id == "fa" and r.version == va]
+            assert old.state is FileState.PENDING and old.mirror is MirrorState.ACKED
+            held = buddy.held_version("fa", va)
+            assert held is not None, "the pending version moved aside is not mirrored again"
+            assert bytes(await buddy.read(held, 0, held.size)) == a_bytes
+            assert buddy.held_version("fx", fx.version) is not None
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_resync_waits_for_a_commit_being_published_and_mirrors_it_again(tmp_path: Path):
+    """The buddy acknowledged a commit and restarted while the writer was
+    still writing the pending manifest (a slow store). The resync must wait
+    for that publish and mirror the version again: close() said mirrored."""
+
+    async def main() -> None:
+        writer, _, client, link = writer_and_buddy(tmp_path, hold=None)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.run)
+            f = writer.new_file("f1", "v0", "a.pt", 0o644, 0, 0)
+            data = os.urandom(PS + 500)
+            await writer.write(f, 0, data)
+            resynced: list[int] = []
+
+            async def resync() -> None:
+                resynced.append(await client.resync())
+
+            async with f.commit_lock:
+                snap = writer.begin_publish(f, "v1")
+                manifest = Manifest(f.file_id, "v1", snap.size, f.mode, f.mtime_ns)
+                snap.holders = await client.commit(snap, manifest)
+                assert snap.holders == ["n1", "n2"]
+                # ...the pending manifest is being written; the buddy restarts,
+                # and the membership sees its new incarnation.
+                buddy = restarted_buddy(tmp_path, link, "n2b")
+                nursery.start_soon(resync)
+                await trio.testing.wait_all_tasks_blocked()
+                assert not resynced  # it waits for this publish
+                writer.published(snap)
+            with trio.fail_after(10):
+                while not resynced:
+                    await trio.sleep(0.01)
+            assert resynced == [1]
+            assert f.state is FileState.PENDING and f.mirror is MirrorState.ACKED
+            held = buddy.held_version("f1", "v1")
+            assert held is not None, "close() said mirrored, the restarted buddy holds nothing"
+            assert bytes(await buddy.read(held, 0, held.size)) == data
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_spilled_page_truncated_inside_reads_as_zeros_at_the_buddy(tmp_path: Path):
+    """Page 0 spilled under memory pressure, then the file was truncated
+    inside it and extended again: past the truncation the page reads as
+    zeros at the writer, and must at the buddy (which would otherwise serve,
+    and on a takeover publish, the old bytes)."""
+
+    async def main() -> None:
+        writer, buddy, client, link = writer_and_buddy(tmp_path, hold=None)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.run)
+            f = writer.new_file("f1", "v0", "a.pt", 0o644, 0, 0)
+            await writer.write(f, 0, os.urandom(PS))
+            await trio.testing.wait_all_tasks_blocked()
+            await writer._spill_page(f, 0)
+            assert f.pages[0].state is PageState.SPILLED
+            await writer.truncate(f, 100)
+            await writer.truncate(f, 2 * PS)
+            assert await commit(writer, client, f) == ["n1", "n2"]
+            mine = bytes(await writer.read(f, 0, 2 * PS))
+            assert mine[100:] == bytes(2 * PS - 100)
+            held = buddy.held_version("f1", f.version)
+            assert held is not None
+            assert bytes(await buddy.read(held, 0, 2 * PS)) == mine
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_file_that_falls_back_is_not_recorded_as_mirrored(tmp_path: Path):
+    """The checkpoint history's mirrored_s is when the buddy acknowledged the
+    content; a file that then fell back to local durability (a failed resync,
+    a retried publish) must not keep it."""
+    cache = small_cache(tmp_path, "n1")
+    f = cache.new_file("f1", "v0", "a.pt", 0o644, 0, 0)
+    cache.set_mirror(f, MirrorState.ACKED)
+    assert f.mirrored_at is not None
+    cache.set_mirror(f, MirrorState.FALLBACK)
+    assert f.mirrored_at is None

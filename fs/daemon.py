@@ -352,7 +352,7 @@ def run_daemon(config: Config, mountpoint: Path) -> None:
         # One line for the log and for `ckptfs mount`, which shows the
         # daemon's last error line, rather than a traceback of the nursery.
         for exc in failed.exceptions:
-            log.error("%s", exc.strerror if isinstance(exc, OSError) else exc)
+            log.error("%s", exc.strerror)
         sys.exit(1)
 
 

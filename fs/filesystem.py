@@ -544,9 +544,7 @@ class FileSystem:
         except BaseException:
             await self.release(fh)
             raise
-        keep = inode.kernel_version == f.version and not f.modified
-        inode.kernel_version = f.version
-        return fh, keep
+        return fh, self._kernel_may_keep(inode, f)
 
     def open_now(self, ino: int, flags: int, caller: Caller) -> tuple[int, bool] | None:
         """A read-only open of a file whose cached copy needs no look at the
@@ -561,10 +559,15 @@ class FileSystem:
 
     def _opened(self, inode: Inode, f: CachedFile, caller: Caller) -> tuple[int, bool]:
         """A read-only handle of ``f``; whether the kernel may keep its pages."""
-        fh = self._open_handle(inode, f, False, caller)
+        return self._open_handle(inode, f, False, caller), self._kernel_may_keep(inode, f)
+
+    @staticmethod
+    def _kernel_may_keep(inode: Inode, f: CachedFile) -> bool:
+        """Whether the kernel's pages of the inode are of ``f`` as it is now
+        (FOPEN_KEEP_CACHE); from here on they are."""
         keep = inode.kernel_version == f.version and not f.modified
         inode.kernel_version = f.version
-        return fh, keep
+        return keep
 
     @staticmethod
     def _checked(inode: Inode, entry: Entry) -> None:
@@ -731,14 +734,18 @@ class FileSystem:
 
     async def flush(self, fh: int) -> None:
         """close(): the durability point for data written through this handle."""
-        handle = self.handles.get(fh)
-        if handle is not None and handle.writable and handle.file is not None:
-            await self.commit(handle.file)
+        f = self._written_through(fh)
+        if f is not None:
+            await self.commit(f)
 
     def flush_now(self, fh: int) -> bool:
         """Whether the close of ``fh`` has nothing to publish (a reader's)."""
+        return self._written_through(fh) is None
+
+    def _written_through(self, fh: int) -> CachedFile | None:
+        """The file a close of ``fh`` publishes: a writer's."""
         handle = self.handles.get(fh)
-        return handle is None or not handle.writable or handle.file is None
+        return handle.file if handle is not None and handle.writable else None
 
     async def fsync(self, fh: int) -> None:
         await self.flush(fh)

@@ -121,7 +121,6 @@ class Session:
         self.fd = fd
         self.handlers = handlers
         self.counters = Counters()
-        self.proto_minor = 0
         self._max_workers = workers
         self._idle_workers = 0  # waiting for the read lock, or reading
         self._read_lock = trio.Lock()
@@ -262,12 +261,8 @@ class Session:
                 return
             try:
                 result = await handler(req)
-            except FuseError as exc:
-                self._reply_error(req, exc.errno)
-                return
-            except Exception:
-                log.exception("%s of inode %d failed unexpectedly", _name(req.op), req.nodeid)
-                self._reply_error(req, errno.EIO)
+            except Exception as exc:
+                self._reply_failure(req, exc)
                 return
             # No await between the handler's return and the reply: a READ's
             # result may be a view of an arena slot.
@@ -303,12 +298,8 @@ class Session:
         """Whether ``fast`` answered ``req`` (replied, or failed with an errno)."""
         try:
             result = fast(req)
-        except FuseError as exc:
-            self._reply_error(req, exc.errno)
-            return True
-        except Exception:
-            log.exception("%s of inode %d failed unexpectedly", _name(req.op), req.nodeid)
-            self._reply_error(req, errno.EIO)
+        except Exception as exc:
+            self._reply_failure(req, exc)
             return True
         if result is None:
             self.counters.declined += 1
@@ -343,6 +334,14 @@ class Session:
         )
         size = abi.OUT_HEADER.size + sum(len(p) for p in parts)
         self._write([abi.OUT_HEADER.pack(size, 0, req.unique), *parts], req)
+
+    def _reply_failure(self, req: Request, exc: Exception) -> None:
+        """A handler raised: its FuseError's errno, else EIO (and logged)."""
+        if isinstance(exc, FuseError):
+            self._reply_error(req, exc.errno)
+            return
+        log.error("%s of inode %d failed unexpectedly", _name(req.op), req.nodeid, exc_info=exc)
+        self._reply_error(req, errno.EIO)
 
     def _reply_error(self, req: Request, err: int) -> None:
         if not 0 < err < 512:
@@ -390,10 +389,9 @@ class Session:
             want |= abi.WRITEBACK_CACHE
         # At most what a read buffer holds: the kernel refuses reads into less.
         max_write = abi.MAX_WRITE if flags & abi.MAX_PAGES else min(32 * PAGE, abi.MAX_WRITE)
-        self.proto_minor = min(minor, abi.KERNEL_MINOR)
         reply = abi.INIT_OUT.pack(
             abi.KERNEL_MAJOR,
-            self.proto_minor,
+            min(minor, abi.KERNEL_MINOR),
             max_readahead,
             (flags & want) | abi.BIG_WRITES,
             0,  # max_background: the kernel's default

@@ -23,12 +23,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .cachedfile import CachedFile
-from .fuseabi import ROOT_ID
+from .fuseabi import ROOT_ID as ROOT
 
 if TYPE_CHECKING:
     from .backing import Entry
-
-ROOT = ROOT_ID
 
 
 @dataclass(eq=False, slots=True)

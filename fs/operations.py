@@ -54,8 +54,6 @@ _seen: set[tuple[str, int]] = set()
 
 
 def _log_failure(op: str, args: tuple[Any, ...], exc: OSError, err: int) -> None:
-    if op == "lookup" and err == errno.ENOENT:
-        return  # every create and exists() starts with one: not even a refusal
     if err in EXPECTED:
         first = (op, err) not in _seen
         _seen.add((op, err))
@@ -101,14 +99,16 @@ def _args(fs: FileSystem, req: Request) -> tuple[Any, ...]:
 
 def _failed(op: str, fs: FileSystem, req: Request, exc: BaseException) -> FuseError:
     """The reply for an exception a handler raised, logged as it deserves."""
-    args = _args(fs, req)
     if isinstance(exc, FuseError):
         return exc
     if isinstance(exc, OSError):
         err = exc.errno or errno.EIO
-        _log_failure(op, args, exc, err)
+        if not (op == "lookup" and err == errno.ENOENT):
+            # Every create and exists() starts with one: not even a refusal,
+            # and not worth finding its path for.
+            _log_failure(op, _args(fs, req), exc, err)
         return FuseError(err)
-    log.error("%s%r failed unexpectedly", op, args, exc_info=exc)
+    log.error("%s%r failed unexpectedly", op, _args(fs, req), exc_info=exc)
     return FuseError(errno.EIO)
 
 
@@ -134,6 +134,11 @@ def fast(fn: Callable[[Operations, Request], T]) -> Callable[..., T | None]:
             raise _failed(fn.__name__, self.fs, req, exc) from None
 
     return wrapper
+
+
+def _writes(flags: int) -> bool:
+    """Whether an open with ``flags`` gets a handle that writes (FileSystem.open)."""
+    return (flags & os.O_ACCMODE) != os.O_RDONLY
 
 
 def _caller(req: Request) -> Caller:
@@ -210,9 +215,10 @@ class Operations:
             writeback_cache=self.writeback_cache,
         )
 
-    def _open_flags(self, flags: int, keep: bool) -> int:
+    def _open_flags(self, flags: int, keep: bool, writes: bool) -> int:
+        """The OPEN/CREATE reply's flags for a handle that ``writes`` or not."""
         out = abi.FOPEN_KEEP_CACHE if keep else 0
-        if (flags & os.O_ACCMODE) == os.O_RDONLY:
+        if not writes:
             # Nothing to do at close for a reader: the kernel skips the FLUSH
             # (ignored with the writeback cache, which must flush its pages).
             out |= abi.FOPEN_NOFLUSH
@@ -367,14 +373,13 @@ class Operations:
         fh, attr = await self.fs.create(req.nodeid, name, mode, flags, _caller(req))
         # Its handle writes whatever the flags (the file is new): close must
         # send the FLUSH that commits it, even after O_CREAT | O_RDONLY.
-        open_flags = self._open_flags(flags, True) & ~abi.FOPEN_NOFLUSH
-        return [entry(attr), abi.open_out(fh, open_flags)]
+        return [entry(attr), abi.open_out(fh, self._open_flags(flags, True, writes=True))]
 
     @handler
     async def open(self, req: Request) -> Reply:
         flags, _ = abi.OPEN_IN.unpack_from(req.body)
         fh, keep = await self.fs.open(req.nodeid, flags, _caller(req))
-        return abi.open_out(fh, self._open_flags(flags, keep))
+        return abi.open_out(fh, self._open_flags(flags, keep, _writes(flags)))
 
     @fast
     def open_now(self, req: Request) -> Reply | None:
@@ -383,7 +388,7 @@ class Operations:
         if opened is None:
             return None
         fh, keep = opened
-        return abi.open_out(fh, self._open_flags(flags, keep))
+        return abi.open_out(fh, self._open_flags(flags, keep, _writes(flags)))
 
     @handler
     async def read(self, req: Request) -> Reply:

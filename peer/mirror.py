@@ -501,39 +501,45 @@ class MirrorClient:
             todo = [
                 f
                 for f in self.cache.all_files()
-                if f.mirror_id in at_risk - sent and _acknowledged_or_publishing(f)
+                if f.mirror_id in at_risk
+                and f.mirror_id not in sent
+                and _acknowledged_or_publishing(f)
             ]
             if not todo:
                 break
             for f in todo:
-                # The commit path's lock: a commit of this file meanwhile would
-                # race this one to the buddy, which takes whichever lands last.
-                # Checked again once held: the commits of earlier files (and the
-                # wait for the lock) let writes and commits run, and a file no
-                # longer PENDING would send changed pages under its old version.
-                async with f.commit_lock:
-                    if f.mirror_id in sent or not _acknowledged(f):
-                        continue  # changed since: its next commit mirrors it
-                    sent.add(f.mirror_id)
-                    self._acked.pop(f.mirror_id, None)
-                    snap = self.cache.journal_snapshot(f)
-                    manifest = Manifest(
-                        f.file_id, f.version, f.size, f.mode, f.mtime_ns, "pending",
-                        list(f.holders), chunking=f.chunking, atime_ns=f.atime_ns,
-                    )  # fmt: skip
-                    try:
-                        await self._commit(snap, manifest)
-                    except MirrorFailed as exc:
-                        if _still(f, snap):
-                            self._fall_back(f, str(exc))
-                        continue
-                    # Not counted if written meanwhile: its next commit mirrors it.
-                    if _still(f, snap):
-                        held += 1
+                held += await self._mirror_again(f, sent)
         if at_risk:
             log.info("buddy %s is back: %d of %d pending file(s) mirrored again",
                      self.buddy, held, len(sent))  # fmt: skip
         return held
+
+    async def _mirror_again(self, f: CachedFile, sent: set[str]) -> bool:
+        """Commit ``f``'s acknowledged version to the buddy again (once per
+        mirror id, recorded in ``sent``); whether the buddy holds it now."""
+        # The commit path's lock: a commit of this file meanwhile would race
+        # this one to the buddy, which takes whichever lands last. Checked
+        # again once held: the commits of earlier files (and the wait for the
+        # lock) let writes and commits run, and a file no longer PENDING
+        # would send changed pages under its old version.
+        async with f.commit_lock:
+            if f.mirror_id in sent or not _acknowledged(f):
+                return False  # changed since: its next commit mirrors it
+            sent.add(f.mirror_id)
+            self._acked.pop(f.mirror_id, None)
+            snap = self.cache.journal_snapshot(f)
+            manifest = Manifest(
+                f.file_id, f.version, f.size, f.mode, f.mtime_ns, "pending", list(f.holders),
+                chunking=f.chunking, atime_ns=f.atime_ns,
+            )  # fmt: skip
+            try:
+                await self._commit(snap, manifest)
+            except MirrorFailed as exc:
+                if _still(f, snap):
+                    self._fall_back(f, str(exc))
+                return False
+            # Not counted if written meanwhile: its next commit mirrors it.
+            return _still(f, snap)
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -381,14 +381,20 @@ class Backing:
         os.close(self.root_fd)
 
     async def entry(self, rel: str) -> Entry:
-        return await self.io.run(_entry_at, self.root_fd, rel, what=f"stat {rel or '/'}")
+        return await self.io.run(
+            _entry_at, self.root_fd, rel, what=f"stat {rel or '/'}", interruptible=True
+        )
 
     async def listdir(self, rel: str) -> list[tuple[str, Entry]]:
-        return await self.io.run(_list, self.root_fd, rel, what=f"readdir {rel or '/'}")
+        return await self.io.run(
+            _list, self.root_fd, rel, what=f"readdir {rel or '/'}", interruptible=True
+        )
 
     async def manifest(self, rel: str) -> Manifest | None:
         return await self.io.run(
-            lambda: read_manifest(rel, dir_fd=self.root_fd), what=f"read manifest {rel}"
+            lambda: read_manifest(rel, dir_fd=self.root_fd),
+            what=f"read manifest {rel}",
+            interruptible=True,
         )
 
     async def create_manifest(
@@ -430,6 +436,8 @@ class Backing:
             before,
             what=f"write manifest {rel}",
             with_call=True,
+            # Nothing is replaced once the call is abandoned (write_manifest).
+            interruptible=True,
         )
 
     async def takeover_manifest(
@@ -474,7 +482,9 @@ class Backing:
 
     async def readlink(self, rel: str) -> bytes:
         return await self.io.run(
-            lambda: os.readlink(os.fsencode(rel), dir_fd=self.root_fd), what=f"readlink {rel}"
+            lambda: os.readlink(os.fsencode(rel), dir_fd=self.root_fd),
+            what=f"readlink {rel}",
+            interruptible=True,
         )
 
     async def chmod(self, rel: str, mode: int) -> None:
@@ -510,13 +520,13 @@ class Backing:
                 raise OSError(errno.ESTALE, f"{rel}: another file is at its name now")
             return fd
 
-        return await self.io.run(open_, what=f"open {rel}", late=_close_quietly)
+        return await self.io.run(open_, what=f"open {rel}", late=_close_quietly, interruptible=True)
 
     async def pread(self, fd: int, size: int, off: int, rel: str) -> bytes:
-        return await self.io.run(os.pread, fd, size, off, what=f"read {rel}")
+        return await self.io.run(os.pread, fd, size, off, what=f"read {rel}", interruptible=True)
 
     async def close_fd(self, fd: int) -> None:
         await self.io.run(os.close, fd, what="close", essential=True)
 
     async def statvfs(self) -> os.statvfs_result:
-        return await self.io.run(os.fstatvfs, self.root_fd, what="statfs")
+        return await self.io.run(os.fstatvfs, self.root_fd, what="statfs", interruptible=True)

@@ -9,7 +9,8 @@ A call the loop gave up on still runs to its end in its thread. Two things
 make that safe: ``late`` releases whatever the call holds once it ends (an fd
 opened after its caller left, pins on arena slots), and ``Call.abandoned``
 lets the function see, before an irreversible step (a manifest rename), that
-nobody is waiting any more.
+nobody is waiting any more. A FUSE caller interrupted by a signal may give
+up on a call the same way (``interruptible``, interrupts.py).
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Generic, TypeVar
 
 import trio
+
+from .interrupts import interruptible as interrupted_by_caller
 
 T = TypeVar("T")
 log = logging.getLogger("ckptfs.backing")
@@ -93,6 +97,7 @@ class BackingIO:
         essential: bool = False,
         with_call: bool = False,
         call: Call[T] | None = None,
+        interruptible: bool = False,
     ) -> T:
         """``fn(*args)`` in a thread under the timeout.
 
@@ -100,6 +105,11 @@ class BackingIO:
         is known to be down, since skipping them leaks. With ``with_call`` the
         function receives the :class:`Call` as its first argument. Passing
         ``call`` lets the caller ask afterwards whether it was abandoned.
+        ``interruptible``: a FUSE caller's signal gives up on the call as the
+        timeout would, sooner, without taking the store for down
+        (interrupts.py); only for calls whose abandonment leaves nothing half
+        done that a caller could see (reads, and a manifest replace, which
+        checks for abandonment before its rename).
         """
         label = what or getattr(fn, "__name__", "call")
         self.calls += 1
@@ -123,8 +133,9 @@ class BackingIO:
             return result
 
         start = time.monotonic()
+        interrupt = interrupted_by_caller(label) if interruptible else nullcontext()
         try:
-            with trio.fail_after(self.timeout):
+            with interrupt, trio.fail_after(self.timeout):
                 try:
                     result = await trio.to_thread.run_sync(
                         body, limiter=self.limiter, abandon_on_cancel=True

@@ -35,6 +35,7 @@ from .blocking import BackingIO, Call, on_loop_later, run_cpu
 from .cachedfile import CachedFile, ChunkMap, Page, Snapshot
 from .chunkstore import ChunkStore, chunk_hash
 from .frames import FrameCache
+from .interrupts import Interrupted, interruptible
 from .journal import Journal, chunks_of
 from .manifest import Chunk, Manifest, new_id
 from .readahead import ReadAhead
@@ -914,8 +915,9 @@ class Cache:
                         self.io.health,
                     )
                 self.need_space.set()
-                with trio.move_on_after(self.backpressure_poll):
-                    await self._space_event.wait()
+                with interruptible(f"write to {f.path} waiting for cache space"):
+                    with trio.move_on_after(self.backpressure_poll):
+                        await self._space_event.wait()
                 slot = self.try_alloc()
         finally:
             self.waiting_writers -= 1
@@ -1040,12 +1042,17 @@ class Cache:
                 p, o = divmod(pos, ps)
                 n = min(ps - o, end - pos)
                 page = f.pages.get(p)
-                if page is None or not page.in_ram:
-                    await self._page_in(f, p, o, n)
-                    continue  # look again: the page table may have moved meanwhile
-                if self.arena.pinned(page.slot):
-                    await self._copy_on_write(f, p, page)
-                    continue
+                try:
+                    if page is None or not page.in_ram:
+                        await self._page_in(f, p, o, n)
+                        continue  # look again: the page table may have moved meanwhile
+                    if self.arena.pinned(page.slot):
+                        await self._copy_on_write(f, p, page)
+                        continue
+                except Interrupted:
+                    if pos == off:
+                        raise
+                    break  # a short write: the pages before this one are written
                 # No await from here to the end of this page.
                 if o > page.fill:
                     self.arena.zero(page.slot, page.fill, o)
@@ -1059,7 +1066,7 @@ class Cache:
                     f.size = pos
             f.mtime_ns = time.time_ns()
             self._touch(f)
-        return len(data)
+        return pos - off
 
     async def _copy_on_write(self, f: CachedFile, p: int, page: Page) -> None:
         """Move page ``p`` to a new slot before writing it: its slot is pinned by a

@@ -34,6 +34,7 @@ from .chunkstore import ChunkCorrupt
 from .config import Config
 from .flusher import Flusher
 from .inodes import ROOT, Inode, InodeTable
+from .interrupts import Interrupted, interruptible
 from .journal import record_of
 from .manifest import Manifest, new_id
 from .nslock import NamespaceLock
@@ -694,7 +695,10 @@ class FileSystem:
             try:
                 off = 0
                 while data := await self.backing.pread(fd, 4 << 20, off, path):
-                    await self.cache.write(f, off, data)
+                    if await self.cache.write(f, off, data) < len(data):
+                        # A short write is an interrupted one: the open fails
+                        # and the copy is dropped.
+                        raise Interrupted(f"copy of {path} into the cache")
                     off += len(data)
             finally:
                 await self.backing.close_fd(fd)
@@ -865,10 +869,12 @@ class FileSystem:
 
     async def wait_durable(self, f: CachedFile, timeout: float | None = None) -> None:
         limit = timeout if timeout is not None else max(600.0, 4 * self.config.backing_timeout)
-        with trio.move_on_after(limit):
-            while f.state not in (FileState.DURABLE, FileState.UNLINKED):
-                await f.durable_event.wait()
-            return
+        # Interruptible: the file is published and queued; only the wait ends.
+        with interruptible(f"close of {f.path} waiting for the backing store"):
+            with trio.move_on_after(limit):
+                while f.state not in (FileState.DURABLE, FileState.UNLINKED):
+                    await f.durable_event.wait()
+                return
         raise FsError(errno.EIO, f"{f.path} did not become durable within {limit:.0f}s")
 
     async def publish(

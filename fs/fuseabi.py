@@ -125,6 +125,7 @@ WRITE_OUT = struct.Struct("<II")
 RELEASE_IN = struct.Struct("<QIIQ")  # fh flags release_flags lock_owner
 FLUSH_IN = struct.Struct("<QIIQ")  # fh unused padding lock_owner
 FSYNC_IN = struct.Struct("<QII")  # fh fsync_flags padding
+INTERRUPT_IN = struct.Struct("<Q")  # unique of the interrupted request
 FORGET_IN = struct.Struct("<Q")  # nlookup
 BATCH_FORGET_IN = struct.Struct("<II")  # count dummy
 FORGET_ONE = struct.Struct("<QQ")  # nodeid nlookup

@@ -14,8 +14,10 @@ How a request goes:
   reads before it waits: a caller on the same CPU runs as soon as it has
   its reply, and its next request is already there when the reader gets the
   CPU back, so it costs no wake-up of the loop.
-- INIT, IOCTL (ckptfs has none: ENOTTY, what ``isatty`` gets on any file)
-  and INTERRUPT need no state and are answered on the spot.
+- INIT and IOCTL (ckptfs has none: ENOTTY, what ``isatty`` gets on any
+  file) need no state and are answered on the spot. INTERRUPT (no reply)
+  marks the request it names, if a handler still has it and its caller was
+  sent a stop signal: the waits that may end early then end (interrupts.py).
 - An operation with a *fast path* (``Handlers.fast``: a read-only open of a
   file the cache can serve, a reader's release, a getattr that needs no
   store access, forget) is answered by the reader inline, with no task. A
@@ -49,6 +51,7 @@ from typing import Any
 import trio
 
 from . import fuseabi as abi
+from . import interrupts
 from .fuseabi import Op
 
 log = logging.getLogger("ckptfs.fuse")
@@ -65,6 +68,7 @@ KEEP_BUFFER_OVER = 64 << 10
 BUFFERS = 16  # spare read buffers of BUFFER_SIZE (1 MiB + a page), pre-faulted
 PAGE = os.sysconf("SC_PAGE_SIZE")
 YIELD_EVERY = 8  # requests the reader answers in a row before other tasks run
+STOP_POLL = 0.2  # seconds between looks for a stop signal after another signal
 
 
 class FuseError(Exception):
@@ -107,7 +111,9 @@ class Counters:
     fast: int = 0  # answered by a fast path, inline
     declined: int = 0  # had a fast path that declined: handled by a worker
     handled: int = 0  # handled by a worker (the async handler)
-    stateless: int = 0  # INIT, IOCTL, INTERRUPT, unknown opcodes
+    stateless: int = 0  # INIT, IOCTL, unknown opcodes
+    interrupts: int = 0  # INTERRUPTs for a stop signal, of a request a handler still had
+    signals_ignored: int = 0  # INTERRUPTs for another signal (see interrupts.py)
     workers: int = 0  # worker tasks started so far
 
 
@@ -132,6 +138,7 @@ class Session:
         self._reading: set[trio.CancelScope] = set()  # cancelled at the end
         self._workers: trio.Nursery | None = None
         self._token: trio.lowlevel.TrioToken | None = None
+        self._in_flight: dict[int, interrupts.InFlight] = {}  # by unique, while handled
 
     # ----- the session's life ------------------------------------------------------------
     async def run(self) -> None:
@@ -238,6 +245,9 @@ class Session:
         if req.op == Op.INIT:
             self._init(req)
             return True
+        if req.op == Op.INTERRUPT:
+            self._interrupt(req)
+            return True
         fast = self.handlers.fast.get(req.op)
         if fast is not None:
             if not self._run_fast(fast, req):
@@ -260,7 +270,12 @@ class Session:
                 self._reply_error(req, errno.ENOSYS)
                 return
             try:
-                result = await handler(req)
+                with interrupts.handling(req.unique, req.pid) as inflight:
+                    self._in_flight[req.unique] = inflight
+                    try:
+                        result = await handler(req)
+                    finally:
+                        del self._in_flight[req.unique]
             except Exception as exc:
                 self._reply_failure(req, exc)
                 return
@@ -308,6 +323,36 @@ class Session:
             self._reply(req, result)
         return True
 
+    def _interrupt(self, req: Request) -> None:
+        # The kernel sends it only once it has handed us the request it
+        # names, so a request not in flight was answered already: nothing to
+        # do (an EAGAIN reply would make the kernel send it again).
+        if len(req.body) < abi.INTERRUPT_IN.size:
+            return
+        inflight = self._in_flight.get(abi.INTERRUPT_IN.unpack_from(req.body)[0])
+        if inflight is None:
+            return
+        if interrupts.stop_requested(inflight.caller):
+            self._interrupted(inflight)
+            return
+        # A SIGCHLD, a timer: no EINTR. The kernel sends no second INTERRUPT
+        # for this request, so a stop signal that comes later (Ctrl-C) is
+        # looked for until the request is answered.
+        self.counters.signals_ignored += 1
+        if self._workers is not None:
+            self._workers.start_soon(self._watch_for_stop, inflight)
+
+    def _interrupted(self, inflight: interrupts.InFlight) -> None:
+        self.counters.interrupts += 1
+        inflight.interrupt()
+
+    async def _watch_for_stop(self, inflight: interrupts.InFlight) -> None:
+        while self._in_flight.get(inflight.unique) is inflight:
+            if interrupts.stop_requested(inflight.caller):
+                self._interrupted(inflight)
+                return
+            await trio.sleep(STOP_POLL)
+
     def _stateless(self, req: Request) -> None:
         self.counters.stateless += 1
         if req.op not in NO_REPLY:  # IOCTL: ENOTTY, as for any file without ioctls
@@ -336,8 +381,9 @@ class Session:
         self._write([abi.OUT_HEADER.pack(size, 0, req.unique), *parts], req)
 
     def _reply_failure(self, req: Request, exc: Exception) -> None:
-        """A handler raised: its FuseError's errno, else EIO (and logged)."""
-        if isinstance(exc, FuseError):
+        """A handler raised: its FuseError's errno (EINTR for an interrupted
+        wait), else EIO (and logged)."""
+        if isinstance(exc, FuseError | interrupts.Interrupted):
             self._reply_error(req, exc.errno)
             return
         log.error("%s of inode %d failed unexpectedly", _name(req.op), req.nodeid, exc_info=exc)
@@ -436,6 +482,8 @@ def describe(session: Session | None) -> dict[str, Any]:
             "handled": c.handled,
             "declined": c.declined,
             "stateless": c.stateless,
+            "interrupts": c.interrupts,
+            "signals_ignored": c.signals_ignored,
         },
         "workers": c.workers,
     }

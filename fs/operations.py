@@ -49,6 +49,7 @@ EXPECTED = {
     errno.EROFS,
     errno.EBUSY,
     errno.ESTALE,  # the name was replaced after the kernel looked it up: it retries
+    errno.EINTR,  # the caller got a signal while its request waited (interrupts.py)
 }
 _seen: set[tuple[str, int]] = set()
 

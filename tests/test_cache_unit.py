@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import errno
+import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import trio
 from ckptfs.fs import cache as cache_mod
+from ckptfs.fs import interrupts
 from ckptfs.fs.arena import Arena
 from ckptfs.fs.blocking import BackingIO
 from ckptfs.fs.cache import MAX_FILE_SIZE, Cache
 from ckptfs.fs.chunkstore import ChunkStore
+from ckptfs.fs.interrupts import interruptible
 from ckptfs.fs.journal import Journal
 from ckptfs.fs.manifest import Manifest
 from ckptfs.fs.state import FileState
@@ -78,3 +82,66 @@ def test_huge_sparse_files_cost_no_memory_and_beyond_the_maximum_is_efbig(tmp_pa
             assert exc.value.errno == errno.EFBIG
 
     trio.run(main)
+
+
+def test_an_interrupted_write_keeps_what_it_wrote_before_its_wait(tmp_path):
+    """A write that waits for cache space (nothing spills or flushes here)
+    and whose caller is interrupted (FUSE_INTERRUPT): it returns the bytes of
+    the pages it wrote before the wait, a short write; one that wrote nothing
+    fails with EINTR. Either way the cache's accounting is as before the wait,
+    and a task the handler started is not interrupted with it."""
+
+    async def main() -> None:
+        cache = make_cache(tmp_path, capacity=4 << 20)
+        ps = cache.page_size
+        f = cache.new_file("x", "v", "x.bin", 0o644, 0, 0)
+        old = random.randbytes(3 * ps + 100)
+        assert await cache.write(f, 0, old) == len(old)  # the 4 slots are taken
+        new = random.randbytes(3 * ps)
+        results: list[object] = []
+        others: list[str] = []
+
+        async def other() -> None:
+            with interruptible("a task the handler started"):
+                await trio.sleep(0.2)
+            others.append("not interrupted")
+
+        async def handler(unique: int, off: int, data: bytes, nursery: trio.Nursery) -> None:
+            with interrupts.handling(unique) as inflight:
+                inflights[unique] = inflight
+                nursery.start_soon(other)
+                try:
+                    results.append(await cache.write(f, off, data))
+                except OSError as exc:
+                    results.append(exc)
+
+        inflights: dict[int, interrupts.InFlight] = {}
+        async with trio.open_nursery() as nursery:
+            # Page 3 is in RAM (its first 100 bytes): written; page 4 waits.
+            nursery.start_soon(handler, 1, 3 * ps + 100, new, nursery)
+            await wait_until(lambda: cache.waiting_writers == 1)
+            inflights[1].interrupt()
+        assert results == [ps - 100]
+        assert cache.waiting_writers == 0 and f.size == 4 * ps
+        expected = old + new[: ps - 100]
+        assert await cache.read(f, 0, f.size + 1) == expected
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(handler, 2, 4 * ps, new, nursery)  # waits at once
+            await wait_until(lambda: cache.waiting_writers == 1)
+            inflights[2].interrupt()
+        (exc,) = results[1:]
+        assert isinstance(exc, interrupts.Interrupted) and exc.errno == errno.EINTR
+        assert "x.bin" in str(exc)
+        assert await cache.read(f, 0, f.size + 1) == expected
+        assert others == ["not interrupted"] * 2
+        assert f.dirty_count == f.ram_count == 4 == cache.dirty_pages
+        assert sum(1 for p in f.pages.values() if p.in_ram) == 4
+
+    trio.run(main)
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 10) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.01)

@@ -10,6 +10,7 @@ import fcntl
 import hashlib
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import threading
 import time
 import zlib
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from ckptfs.fs import fuseabi as abi
 from ckptfs.fs import fusemount
 from ckptfs.fs.fuseabi import Op
 from ckptfs.fs.fusesession import FuseError, Handlers, Request, Session
+from ckptfs.fs.interrupts import interruptible
 
 TIMEOUT = 20
 DIRS = 1 << 40  # Tiny's inode numbers of directories start here
@@ -67,6 +69,7 @@ class Tiny:
         self.fast_opens = 0
         self.slow_opens = 0
         self.hold: trio.Event | None = None  # writes wait for it
+        self.hold_interruptible = False  # ... in an interruptible wait
         self.writes_in_flight = 0
 
     def _attr(self, ino: int) -> TinyAttr:
@@ -149,7 +152,8 @@ class Tiny:
         self.writes_in_flight += 1
         try:
             if self.hold is not None:
-                await self.hold.wait()
+                with interruptible("tiny's write") if self.hold_interruptible else nullcontext():
+                    await self.hold.wait()
         finally:
             self.writes_in_flight -= 1
         dest = self.files[req.nodeid]
@@ -305,6 +309,82 @@ def test_writes_held_by_their_handlers_do_not_stop_the_reading(tmp_path: Path) -
         assert not any(t.is_alive() for t in threads)
     for i, blob in enumerate(blobs):
         assert hashlib.sha256(tiny.files[3 + i]).digest() == hashlib.sha256(blob).digest()
+
+
+SIGNALLED_WRITER = textwrap.dedent(
+    """
+    import os, signal, sys
+    signal.signal(signal.SIGUSR1, lambda *_: print("SIGUSR1 handled", flush=True))
+    fd = os.open(sys.argv[1], os.O_WRONLY)
+    print("writing", flush=True)
+    try:
+        n = os.write(fd, b"x" * 4096)
+        print("wrote", n, flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "interruptible_wait, sig",
+    [(True, signal.SIGINT), (False, signal.SIGINT), (True, signal.SIGUSR1)],
+)
+def test_a_stop_signal_ends_only_an_interruptible_wait(
+    tmp_path: Path, interruptible_wait: bool, sig: signal.Signals
+) -> None:
+    """Ctrl-C of a process whose write waits in its handler: the kernel sends
+    INTERRUPT. A wait that opted in (interrupts.interruptible) ends, the write
+    gets EINTR and Python raises KeyboardInterrupt at once. Any other wait is
+    left alone, and so is every wait for a signal that does not ask the
+    process to stop (SIGUSR1 here, DataLoader's SIGCHLD in a training job):
+    the write completes once its handler is done."""
+    tiny = Tiny(b"")
+    tiny.hold_interruptible = interruptible_wait
+    with served(tmp_path, tiny) as (mnt, session, token):
+        release = trio.Event()
+        tiny.hold = release
+        writer = subprocess.Popen(
+            [sys.executable, "-c", SIGNALLED_WRITER, str(mnt / "f1")],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert writer.stdout is not None
+            assert writer.stdout.readline().strip() == "writing"
+            deadline = time.monotonic() + TIMEOUT
+            while tiny.writes_in_flight < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert tiny.writes_in_flight == 1
+            writer.send_signal(sig)
+            c = session.counters
+            if interruptible_wait and sig == signal.SIGINT:
+                assert writer.stdout.readline().strip() == "interrupted"
+                assert writer.wait(TIMEOUT) == 0
+                assert tiny.writes_in_flight == 0
+                assert bytes(tiny.files[3]) == b""  # nothing written
+                assert (c.interrupts, c.signals_ignored) == (1, 0)
+                return
+            time.sleep(0.5)
+            assert writer.poll() is None  # still waiting: no effect yet
+            assert tiny.writes_in_flight == 1
+            trio.from_thread.run_sync(release.set, trio_token=token)
+            if sig == signal.SIGINT:
+                # The write returns, then Python raises the KeyboardInterrupt.
+                assert writer.stdout.readline().strip() == "interrupted"
+                assert (c.interrupts, c.signals_ignored) == (1, 0)  # marked, never acted on
+            else:
+                assert writer.stdout.readline().strip() == "SIGUSR1 handled"
+                assert writer.stdout.readline().strip() == "wrote 4096"
+                assert (c.interrupts, c.signals_ignored) == (0, 1)
+            assert writer.wait(TIMEOUT) == 0
+            assert bytes(tiny.files[3]) == b"x" * 4096
+        finally:
+            if writer.poll() is None:
+                trio.from_thread.run_sync(release.set, trio_token=token)
+                writer.kill()
+                writer.wait(TIMEOUT)
+            assert not session._in_flight  # every handled request's mark is gone
 
 
 def _pwrite(path: Path, data: bytes) -> None:

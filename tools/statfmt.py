@@ -37,7 +37,9 @@ def requests_text(fuse: dict[str, Any]) -> str:
     r = fuse["requests"]
     return (
         f"requests: {r['fast']} answered inline, {r['handled']} by {fuse['workers']} "
-        f"worker task(s) ({r['declined']} declined by a fast path), {r['stateless']} stateless"
+        f"worker task(s) ({r['declined']} declined by a fast path), {r['stateless']} stateless, "
+        f"{r.get('interrupts', 0)} interrupted by a stop signal "
+        f"({r.get('signals_ignored', 0)} other signal(s) ignored)"
     )
 
 

@@ -1,0 +1,377 @@
+"""Ctrl-C of a training job whose save waits on ckptfs (FUSE_INTERRUPT).
+
+When the backing store hangs (an NFS server that stopped answering), a save
+waits: its writes for cache space once the cache is full of bytes the store
+has not taken, its close for the store to take the manifest. A signal to the
+job ends those waits at once (EINTR, or a short write), so Ctrl-C works as on
+a local disk instead of when the store comes back. Nothing the job wrote
+before is lost: once the store answers again the file is published and
+flushed, and a cold remount reads back exactly the bytes the job wrote. The
+same for a close waiting at ``durability: backing``.
+
+The backing store here is the tests' NFS stand-in (countingfs), stopped with
+SIGSTOP to hang it.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import random
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import trio
+from ckptfs.fs import interrupts
+from conftest import Mount, wait_for
+from countingfs import CountingMount, counting_mount
+
+MiB = 1 << 20
+TIMEOUT = 60
+
+WRITER = textwrap.dedent(
+    """
+    import os, signal, sys
+    # A signal caught for another reason (as DataLoader catches SIGCHLD).
+    signal.signal(signal.SIGUSR1, lambda *_: None)
+    path, expected, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    data = os.urandom(size)
+    with open(expected, "wb") as f:
+        f.write(data)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    print("writing", flush=True)
+    try:
+        pos = 0
+        while pos < size:
+            pos += os.write(fd, data[pos : pos + (1 << 20)])
+        print("written", flush=True)
+    except KeyboardInterrupt:
+        print("write interrupted", flush=True)
+    try:
+        os.close(fd)
+        print("closed", flush=True)
+    except BaseException as exc:
+        print("close ended by", type(exc).__name__, flush=True)
+    """
+)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[CountingMount]:
+    """The NFS stand-in as the backing store; never left stopped."""
+    with counting_mount(tmp_path / "backing-real", tmp_path / "backing") as cm:
+        try:
+            yield cm
+        finally:
+            cm.proc.send_signal(signal.SIGCONT)
+
+
+def spawn_writer(path: Path, expected: Path, size: int) -> subprocess.Popen[str]:
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(path), str(expected), str(size)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert next_line(writer) == "writing"
+    return writer
+
+
+def next_line(writer: subprocess.Popen[str], timeout: float = TIMEOUT) -> str:
+    """The writer's next line of output, waited for at most ``timeout`` seconds."""
+    assert writer.stdout is not None
+    ready, _, _ = select.select([writer.stdout], [], [], timeout)
+    assert ready, f"the writer printed nothing within {timeout}s"
+    return writer.stdout.readline().strip()
+
+
+def interrupt(writer: subprocess.Popen[str], line: str) -> float:
+    """SIGINT, then the seconds until the writer printed ``line``."""
+    start = time.monotonic()
+    writer.send_signal(signal.SIGINT)
+    assert next_line(writer) == line
+    return time.monotonic() - start
+
+
+def requests(m: Mount) -> dict[str, int]:
+    return dict(m.stat()["fuse"]["requests"])
+
+
+def stop(writer: subprocess.Popen[str]) -> None:
+    if writer.poll() is None:
+        writer.kill()
+        writer.wait(10)
+
+
+def reads_back(m: Mount, rel: str, expected: bytes) -> None:
+    """The whole file, now, after a flush and again from a cold cache."""
+    assert (m.mnt / rel).read_bytes() == expected
+    m.wait_durable()
+    m.umount()
+    shutil.rmtree(m.cache_dir)
+    m.cache_dir = m.cache_dir.with_name(m.cache_dir.name + "-cold")
+    m.env["CKPTFS_CACHE_DIR"] = str(m.cache_dir)
+    m.mount()
+    assert (m.mnt / rel).read_bytes() == expected
+    assert m.file_state(rel) == "durable"
+    m.umount()
+
+
+@contextmanager
+def save_while_the_store_hangs(
+    store: CountingMount, m: Mount, expected: Path
+) -> Iterator[subprocess.Popen[str]]:
+    """A save of four times the cache, the store stopped (SIGSTOP) once the
+    file is open: yields the writer once it waits for cache space. The store
+    answers again afterwards."""
+    m.mount(cache_size="64MiB")
+    m.allowed_log = ["backing store", "has waited", "spilling", "failed again"]
+    writer = spawn_writer(m.mnt / "ckpt.pt", expected, 256 * MiB)
+    store.proc.send_signal(signal.SIGSTOP)
+    try:
+        wait_for(lambda: m.stat()["cache"]["waiting_writers"] >= 1, TIMEOUT, "backpressure")
+        yield writer
+    finally:
+        store.proc.send_signal(signal.SIGCONT)
+        stop(writer)
+
+
+def test_ctrl_c_ends_a_save_waiting_for_a_hung_store(store, mounts, tmp_path):
+    m = mounts()
+    expected = tmp_path / "expected"
+    with save_while_the_store_hangs(store, m, expected) as writer:
+        # A signal that does not ask the job to stop leaves the write waiting.
+        writer.send_signal(signal.SIGUSR1)
+        wait_for(lambda: requests(m)["signals_ignored"] >= 1, TIMEOUT, "the ignored signal")
+        time.sleep(0.5)
+        assert writer.poll() is None
+        assert m.stat()["cache"]["waiting_writers"] >= 1
+        took = interrupt(writer, "write interrupted")
+        assert took < 5, took
+        # Its close publishes the manifest in the store, which hangs: a
+        # second Ctrl-C ends that wait too.
+        time.sleep(1)
+        assert writer.poll() is None
+        took = interrupt(writer, "close ended by KeyboardInterrupt")
+        assert took < 5, took
+        writer.wait(10)
+        assert m.stat()["cache"]["waiting_writers"] == 0
+        assert requests(m)["interrupts"] >= 2
+    data = expected.read_bytes()
+    written = (m.mnt / "ckpt.pt").stat().st_size
+    assert 0 < written < len(data)
+    reads_back(m, "ckpt.pt", data[:written])
+
+
+def test_kill_9_of_a_save_waiting_for_a_hung_store_returns_at_once(store, mounts, tmp_path):
+    """Without an answer to its INTERRUPT, a process killed while its request
+    waits in the daemon stays in the kernel (state D) until the wait ends."""
+    m = mounts()
+    expected = tmp_path / "expected"
+    with save_while_the_store_hangs(store, m, expected) as writer:
+        start = time.monotonic()
+        writer.kill()
+        writer.wait(TIMEOUT)
+        assert time.monotonic() - start < 5
+        wait_for(lambda: m.stat()["cache"]["waiting_writers"] == 0, 10, "no waiting writer")
+    # Its file is closed by the kernel: committed with what was written.
+    data = expected.read_bytes()
+    wait_for(lambda: m.file_state("ckpt.pt") in ("pending", "flushing", "durable"), TIMEOUT,
+             "the commit of the killed writer's file")  # fmt: skip
+    written = (m.mnt / "ckpt.pt").stat().st_size
+    assert 0 < written < len(data)
+    reads_back(m, "ckpt.pt", data[:written])
+
+
+def test_ctrl_c_ends_a_close_waiting_for_durability(mounts, tmp_path):
+    m = mounts()
+    # A store at 1 KiB/s: its first chunk goes at once, the next in hours.
+    m.mount("--durability", "backing", env={"CKPTFS_FLUSH_BANDWIDTH": "1KiB"})
+    m.allowed_log = ["with data not yet durable"]
+    expected = tmp_path / "expected"
+    writer = spawn_writer(m.mnt / "ckpt.pt", expected, 9 * MiB)
+    try:
+        assert next_line(writer) == "written"
+        time.sleep(0.5)
+        assert writer.poll() is None  # in close(), waiting for the store
+        took = interrupt(writer, "close ended by KeyboardInterrupt")
+        assert took < 5, took
+        writer.wait(10)
+    finally:
+        stop(writer)
+    assert m.file_state("ckpt.pt") == "flushing"  # published, on its way
+    data = expected.read_bytes()
+    # The store never catches up: the daemon dies, and the next mount (a store
+    # that keeps up) recovers the file from the cache and flushes it.
+    m.kill()
+    m.mount()
+    reads_back(m, "ckpt.pt", data)
+
+
+SAVER = textwrap.dedent(
+    """
+    import hashlib, os, random, sys
+    tmp, final, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    rng = random.Random(seed)
+    data = rng.randbytes(rng.randrange(4 << 20, 24 << 20))
+    print("start", flush=True)
+    try:
+        with open(tmp, "wb") as f:
+            for pos in range(0, len(data), 1 << 20):
+                f.write(data[pos : pos + (1 << 20)])
+        os.replace(tmp, final)
+        print("replaced", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    """
+)
+
+LOADER = textwrap.dedent(
+    """
+    import hashlib, sys
+    print("start", flush=True)
+    try:
+        with open(sys.argv[1], "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        print("read", digest, flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    """
+)
+
+
+def saved(seed: int) -> bytes:
+    """What SAVER writes for ``seed``."""
+    rng = random.Random(seed)
+    return rng.randbytes(rng.randrange(4 << 20, 24 << 20))
+
+
+def run_interrupted(script: str, args: list[str], delay: float) -> str:
+    """Run ``script``, SIGINT it ``delay`` seconds after it started; its last line."""
+    cmd = [sys.executable, "-c", script, *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        assert next_line(proc) == "start"
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(TIMEOUT) is not None
+        assert proc.stdout is not None
+        out = proc.stdout.read().strip()
+    finally:
+        stop(proc)
+    # A signal after the script's own end leaves it no line to print.
+    return out.splitlines()[-1] if out else "done"
+
+
+def test_ctrl_c_at_random_points_of_saves_and_loads_loses_nothing(mounts):
+    """Savers (a temporary name, then os.replace) and loaders, each sent
+    SIGINT at a random point: whatever the signal interrupted, a replaced
+    checkpoint reads back whole (now, after a flush, and from a cold cache), a
+    load reads one whole version or is interrupted, a temporary file holds a
+    prefix of what its saver wrote, and the store checks clean."""
+    m = mounts()
+    m.mount()
+    rng = random.Random(13)
+    current: dict[str, bytes] = {}  # what each name holds
+    partial: dict[str, bytes] = {}
+    outcomes: list[str] = []
+    for seed in range(40):
+        name = f"ckpt{seed % 4}.pt"
+        tmp = f"{name}.tmp{seed}"
+        delay = rng.uniform(0, 0.05)  # a save takes 10-60 ms
+        last = run_interrupted(SAVER, [str(m.mnt / tmp), str(m.mnt / name), str(seed)], delay)
+        outcomes.append(last)
+        new, old = saved(seed), current.get(name)
+        got = (m.mnt / name).read_bytes() if (m.mnt / name).exists() else None
+        if last in ("replaced", "done"):
+            assert got == new, name
+        else:
+            # The signal came before the rename or just after it returned.
+            assert last == "interrupted", last
+            assert got in (old, new), name
+            partial[tmp] = new
+        if got is not None:
+            current[name] = got
+        if current:
+            target = rng.choice(sorted(current))
+            line = run_interrupted(LOADER, [str(m.mnt / target)], rng.uniform(0, 0.01))
+            if line.startswith("read"):
+                assert line.split()[1] == hashlib.sha256(current[target]).hexdigest()
+            else:
+                assert line in ("interrupted", "done"), line
+    assert "replaced" in outcomes and "interrupted" in outcomes, outcomes
+
+    def check_all() -> None:
+        for name, data in current.items():
+            assert (m.mnt / name).read_bytes() == data, name
+        for tmp, data in partial.items():
+            if (m.mnt / tmp).exists():  # never renamed: a prefix of it
+                assert data.startswith((m.mnt / tmp).read_bytes()), tmp
+
+    check_all()
+    m.wait_durable()
+    check_all()
+    m.umount()
+    shutil.rmtree(m.cache_dir)
+    m.mount()
+    check_all()
+    assert "all well" in m.cli("check", str(m.mnt)).stdout
+    m.umount()
+    assert not m.unexpected_log_lines()
+
+
+@pytest.mark.parametrize(
+    "sigpnd, shdpnd, stop",
+    [
+        ("0000000000000000", "0000000000000000", False),
+        ("0000000000000000", "0000000000010000", False),  # SIGCHLD (17)
+        ("0000000000000200", "0000000000010000", False),  # SIGUSR1 (10) of the thread
+        ("0000000000000000", "0000000000000002", True),  # SIGINT (2) to the process
+        ("0000000000000100", "0000000000000000", True),  # SIGKILL (9): a fatal signal
+        ("0000000000000000", "0000000000004000", True),  # SIGTERM (15)
+    ],
+)
+def test_stop_signals_are_read_from_the_callers_status(tmp_path, sigpnd, shdpnd, stop):
+    (tmp_path / "42").mkdir()
+    (tmp_path / "42" / "status").write_text(
+        f"Name:\tpython\nState:\tS (sleeping)\nSigQ:\t0/94000\n"
+        f"SigPnd:\t{sigpnd}\nShdPnd:\t{shdpnd}\nSigBlk:\t0000000000000000\n"
+    )
+    assert interrupts.stop_requested(42, proc=str(tmp_path)) is stop
+    assert interrupts.stop_requested(43, proc=str(tmp_path))  # gone: nobody waits
+    assert not interrupts.stop_requested(0, proc=str(tmp_path))  # not visible from here
+
+
+def test_only_the_handlers_own_waits_end_and_only_while_they_wait():
+    async def main() -> None:
+        with interrupts.interruptible("outside any request"):
+            await trio.sleep(0)  # no request: nothing to interrupt
+        with interrupts.handling(7, 1234) as inflight:
+            with interrupts.interruptible("a wait done before the signal"):
+                await trio.sleep(0)
+            inflight.interrupt()  # not waiting now: marked
+            with pytest.raises(interrupts.Interrupted) as err:
+                with interrupts.interruptible("a wait after the signal"):
+                    raise AssertionError("an interrupted request waits no more")
+            assert err.value.errno == errno.EINTR
+            assert "a wait after the signal: interrupted" in str(err.value)
+            done: list[str] = []
+
+            async def started_by_the_handler() -> None:
+                with interrupts.interruptible("another task's wait"):
+                    await trio.sleep(0.05)
+                done.append("not interrupted")
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(started_by_the_handler)
+            assert done == ["not interrupted"]
+
+    trio.run(main)

@@ -44,7 +44,8 @@ import errno
 import logging
 import os
 import queue
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -270,12 +271,8 @@ class Session:
                 self._reply_error(req, errno.ENOSYS)
                 return
             try:
-                with interrupts.handling(req.unique, req.pid) as inflight:
-                    self._in_flight[req.unique] = inflight
-                    try:
-                        result = await handler(req)
-                    finally:
-                        del self._in_flight[req.unique]
+                with self._in_flight_while_handled(req):
+                    result = await handler(req)
             except Exception as exc:
                 self._reply_failure(req, exc)
                 return
@@ -322,6 +319,16 @@ class Session:
         if req.op not in NO_REPLY:
             self._reply(req, result)
         return True
+
+    @contextmanager
+    def _in_flight_while_handled(self, req: Request) -> Iterator[None]:
+        """``req`` is in flight, for an INTERRUPT that names it."""
+        with interrupts.handling(req.unique, req.pid) as inflight:
+            self._in_flight[req.unique] = inflight
+            try:
+                yield
+            finally:
+                del self._in_flight[req.unique]
 
     def _interrupt(self, req: Request) -> None:
         # The kernel sends it only once it has handed us the request it

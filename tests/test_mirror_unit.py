@@ -835,6 +835,18 @@ def test_a_streamed_batch_handled_after_the_commit_leaves_the_version_held(tmp_p
     trio.run(main)
 
 
+async def committed(writer: Cache, client: MirrorClient, **contents: bytes) -> list[CachedFile]:
+    """New files (``a`` is file ``fa`` at ``a.pt``) written with ``contents``
+    and committed, each acknowledged by the buddy."""
+    files = []
+    for name, data in contents.items():
+        f = writer.new_file(f"f{name}", "v0", f"{name}.pt", 0o644, 0, 0)
+        await writer.write(f, 0, data)
+        assert await commit(writer, client, f) == ["n1", "n2"]
+        files.append(f)
+    return files
+
+
 def test_a_resync_takes_the_commit_lock_and_mirrors_only_unchanged_versions(tmp_path: Path):
     """The buddy comes back and the writer mirrors its acknowledged pending
     files again. While the resync's commit of the first file waits, that
@@ -846,13 +858,8 @@ def test_a_resync_takes_the_commit_lock_and_mirrors_only_unchanged_versions(tmp_
         writer, buddy, client, link = writer_and_buddy(tmp_path, hold=None)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(client.run)
-            fa = writer.new_file("fa", "v0", "a.pt", 0o644, 0, 0)
-            fb = writer.new_file("fb", "v0", "b.pt", 0o644, 0, 0)
             a_bytes, b_bytes = os.urandom(100), os.urandom(100)
-            await writer.write(fa, 0, a_bytes)
-            await writer.write(fb, 0, b_bytes)
-            for f in (fa, fb):
-                assert await commit(writer, client, f) == ["n1", "n2"]
+            fa, fb = await committed(writer, client, a=a_bytes, b=b_bytes)
             vb = fb.version
             link.hold = COMMIT  # the resync's commit of fa waits at the gate
             async with trio.open_nursery() as race:
@@ -896,13 +903,8 @@ def test_a_resync_follows_a_pending_version_that_a_rewrite_moved_aside(tmp_path:
         writer, _, client, link = writer_and_buddy(tmp_path, hold=None)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(client.run)
-            fx = writer.new_file("fx", "v0", "x.pt", 0o644, 0, 0)
-            fa = writer.new_file("fa", "v0", "a.pt", 0o644, 0, 0)
             a_bytes = os.urandom(3000)
-            await writer.write(fx, 0, os.urandom(100))
-            await writer.write(fa, 0, a_bytes)
-            for f in (fx, fa):
-                assert await commit(writer, client, f) == ["n1", "n2"]
+            fx, fa = await committed(writer, client, x=os.urandom(100), a=a_bytes)
             va = fa.version
             buddy = restarted_buddy(tmp_path, link, "n2b")
             link.hold = COMMIT  # the resync's commit of the first file waits

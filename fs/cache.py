@@ -265,8 +265,9 @@ class Cache:
         self._register(nf)
         return nf
 
-    def adopt(self, record: dict[str, Any]) -> CachedFile:
-        """A PENDING file rebuilt from a journal record (recovery after a crash)."""
+    def adopt(self, record: dict[str, Any], holders: list[str] | None = None) -> CachedFile:
+        """A PENDING file rebuilt from a journal record (recovery after a crash);
+        ``holders``: those its pending manifest names."""
         f = CachedFile(
             record["file_id"], record["version"], record["path"], record["size"],
             record["mode"], record.get("uid", 0), record.get("gid", 0), record["mtime_ns"],
@@ -274,6 +275,10 @@ class Cache:
         )  # fmt: skip
         f.state = FileState.PENDING
         f.holders = [self.node]
+        if record.get("mirror_id") and holders and set(holders) - {self.node}:
+            # The buddy acknowledged this version before the crash.
+            f.mirror_id, f.holders = str(record["mirror_id"]), list(holders)
+            f.mirror = MirrorState.RECOVERED
         f.chunking = record.get("chunking", "fixed")
         f.content_gen = next(self._gen)
         for p, (slot, fill) in record["dirty"].items():
@@ -388,6 +393,10 @@ class Cache:
         f.role = FileRole.LOCAL
         if f.mirror is MirrorState.ACKED:
             f.mirror = MirrorState.STREAMING  # the buddy's copy no longer matches
+        elif f.mirror is MirrorState.RECOVERED:
+            # New content, and the old id's generations are not ours to go on.
+            self.on_mirror_done(f.mirror_id, "")
+            f.mirror, f.mirror_id = MirrorState.NONE, new_id()
         self._notify(f)
         if key is not None:
             # The record lists slots this change is about to overwrite.
@@ -572,6 +581,12 @@ class Cache:
                 f.mirrored_at = None  # the history must not say mirrored
             self._notify(f)
 
+    def renew_mirror_id(self, f: CachedFile) -> str:
+        """Give ``f``'s content a mirror id of this process (a RECOVERED
+        file's is the crashed one's); returns the old id."""
+        old, f.mirror_id = f.mirror_id, new_id()
+        return old
+
     # ----- buddy mirroring: the buddy's side ------------------------------------
     async def mirror_page(
         self, origin: str, mid: str, file_id: str, p: int, gen: int, data: memoryview, *,
@@ -740,6 +755,11 @@ class Cache:
             f.pages[p].fill = fill
         for p, (chunk, fill) in spilled.items():
             f.pages[p] = Page(PageState.SPILLED, -1, fill, 0, chunk)
+        if f.path and f.path != path:
+            # A rename's message and a commit built before it cross on the
+            # way (a resync runs beside the job): which path is current is
+            # not known here, so the takeover looks at both.
+            f.prior_paths = [*f.prior_paths[-3:], f.path]
         f.file_id, f.version, f.path, f.size = (
             manifest.file_id,
             manifest.version,

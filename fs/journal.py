@@ -50,6 +50,8 @@ def record_of(snap: Snapshot) -> dict[str, Any]:
         "mtime_ns": f.mtime_ns,
         "atime_ns": f.atime_ns,
         "chunking": f.chunking,
+        # The buddy's name for this content, for recovery to rename and drop it.
+        "mirror_id": f.mirror_id,
         "dirty": {
             str(p): [pg.slot, pg.fill]
             for p, pg in snap.pages.items()

@@ -53,7 +53,7 @@ async def recover(cache: Cache, journal: Journal, backing: Backing, arena: Arena
             await journal.run_sync(journal.remove_now, key)
             continue
         claimed |= slots
-        f = cache.adopt(record)
+        f = cache.adopt(record, manifest.holders)
         cache.on_pending(f)
         adopted += 1
         log.info("recovered %s (%d bytes) from the cache; flushing it", path, f.size)

@@ -421,3 +421,52 @@ def test_an_ordinary_users_checkpoint_outlives_its_node_and_resumes_on_another(
     finally:
         for cache_dir in cold:
             subprocess.run(["rm", "-rf", str(cache_dir)], timeout=60)
+
+
+def test_a_file_recovered_after_a_daemon_crash_and_renamed_is_taken_over_at_its_new_name(
+    mounts, tmp_path
+):
+    """n1's daemon crashes after the close of a temporary file (mirrored to
+    n2, pending) and is back before n2 notices; recovery adopts the file from
+    the cache, and the job then renames it to its final name, as torch.save
+    to a temporary name and os.replace do. When n1's node dies after that,
+    n2 must make the file durable at the name it has now, with the bytes
+    written, and keep no mirror of n1."""
+    ports = {"n1": free_port(), "n2": free_port()}
+    # A timeout long enough for n1's restart to go unnoticed.
+    config = cluster_config(tmp_path, ports, timeout="10")
+    n1, n2 = mounts("n1"), mounts("n2")
+    # Each life of n1 stores its first missing chunk at once, the next after
+    # 64 s: the file stays pending across the restart.
+    slow = {"CKPTFS_FLUSH_BANDWIDTH": "16KiB", "CKPTFS_CHUNK_SIZE": "1MiB"}
+    n1.mount("--config", str(config), "--node", "n1", env=slow)
+    n2.mount("--config", str(config), "--node", "n2")
+    wait_for(lambda: peers_of(n1)["n2"]["alive"] and peers_of(n2)["n1"]["alive"], 30, "alive")
+    for m in (n1, n2):
+        m.allowed_log += PEER_LOGS + ["is dead", "taking over", "not yet durable", "timed out"]
+    data = os.urandom(5 * MiB + 99)
+    (n1.mnt / "model.pt.tmp").write_bytes(data)
+    assert file_info(n1, "model.pt.tmp")["holders"] == ["n1", "n2"]
+    assert n2.stat()["mirroring"]["mirrors"] == 1
+
+    n1.kill()
+    n1.mount("--config", str(config), "--node", "n1", env=slow)
+    assert "recovered model.pt.tmp" in n1.log()
+    wait_for(lambda: peers_of(n1)["n2"]["alive"], 30, "n1 sees n2 again")
+    info = file_info(n1, "model.pt.tmp")
+    assert info is not None and info["holders"] == ["n1", "n2"], info
+    wait_for(lambda: file_info(n1, "model.pt.tmp")["mirror"] == "acked", 30, "mirrored again")
+    # The copy from before the crash is dropped (in the background).
+    wait_for(lambda: n2.stat()["mirroring"]["mirrors"] == 1, 30, "one mirror of the file on n2")
+    os.replace(n1.mnt / "model.pt.tmp", n1.mnt / "model.pt")
+
+    n1.kill()
+    wait_for(
+        lambda: (m := read_manifest(n1.backing / "model.pt")) is not None and m.state == "durable",
+        60,
+        "n2 makes model.pt durable",
+    )
+    assert read_manifest(n1.backing / "model.pt").holders == ["n2"]
+    assert not (n1.backing / "model.pt.tmp").exists()
+    assert (n2.mnt / "model.pt").read_bytes() == data
+    wait_for(lambda: n2.stat()["mirroring"]["mirrors"] == 0, 30, "no mirror of n1 left on n2")

@@ -20,7 +20,7 @@ from ckptfs.fs.blocking import BackingIO
 from ckptfs.fs.cache import Cache
 from ckptfs.fs.cachedfile import CachedFile, ChunkMap
 from ckptfs.fs.chunkstore import ChunkStore
-from ckptfs.fs.journal import Journal
+from ckptfs.fs.journal import Journal, record_of
 from ckptfs.fs.manifest import MAGIC, Chunk, Manifest, new_id, read_manifest, write_manifest
 from ckptfs.fs.state import FileRole, FileState, MirrorState, PageState, Published
 from ckptfs.peer.mirror import COMMIT, PAGE, MirrorClient, MirrorServer, page_digest
@@ -768,11 +768,8 @@ class GatedLink:
         pass
 
 
-def writer_and_buddy(
-    tmp_path: Path, hold: str | None
-) -> tuple[Cache, Cache, MirrorClient, GatedLink]:
-    writer, buddy = small_cache(tmp_path, "n1"), small_cache(tmp_path, "n2")
-    link = GatedLink(buddy_of_n1(buddy), hold)
+def mirror_client(writer: Cache, link: GatedLink) -> MirrorClient:
+    """n1's mirror client over ``link``, wired to ``writer`` as the daemon does."""
     client = MirrorClient(
         writer,
         link,  # type: ignore[arg-type]
@@ -784,6 +781,15 @@ def writer_and_buddy(
     )
     writer.on_page_changed = client.changed
     writer.on_mirror_done = client.done
+    return client
+
+
+def writer_and_buddy(
+    tmp_path: Path, hold: str | None
+) -> tuple[Cache, Cache, MirrorClient, GatedLink]:
+    writer, buddy = small_cache(tmp_path, "n1"), small_cache(tmp_path, "n2")
+    link = GatedLink(buddy_of_n1(buddy), hold)
+    client = mirror_client(writer, link)
     return writer, buddy, client, link
 
 
@@ -920,6 +926,135 @@ def test_a_resync_follows_a_pending_version_that_a_rewrite_moved_aside(tmp_path:
             assert held is not None, "the pending version moved aside is not mirrored again"
             assert bytes(await buddy.read(held, 0, held.size)) == a_bytes
             assert buddy.held_version("fx", fx.version) is not None
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def restarted_writer(
+    tmp_path: Path, link: GatedLink, crashed: Cache, f: CachedFile, holders: list[str]
+) -> tuple[Cache, MirrorClient, CachedFile]:
+    """The writer's daemon crashed and came back: a new cache over the same
+    arena file adopts ``f``'s pending version from its journal record (as
+    written to disk), as recovery does when the pending manifest names
+    ``holders``."""
+    record = json.loads(json.dumps(record_of(crashed.journal_snapshot(f))))
+    writer = small_cache(tmp_path, "n1")
+    adopted = writer.adopt(record, holders)
+    writer.arena.claim({slot for slot, _ in record["dirty"].values()})
+    client = mirror_client(writer, link)
+    return writer, client, adopted
+
+
+def test_a_recovered_version_is_renamed_at_the_buddy_and_mirrored_again_under_a_new_id(
+    tmp_path: Path,
+):
+    """After a crash of the writer's daemon, recovery adopts a pending version
+    the buddy acknowledged. The buddy may still hold it, under an id whose
+    page generations the new process cannot continue. A rename of it must
+    reach the buddy's copy (its takeover looks at the name), and the resync
+    must give the buddy the version under a new id and drop the old copy;
+    the buddy then holds exactly one copy, with the bytes written."""
+
+    async def main() -> None:
+        crashed, buddy, old_client, link = writer_and_buddy(tmp_path, hold=None)
+        data = os.urandom(2 * PS + 123)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(old_client.run)
+            (f,) = await committed(crashed, old_client, a=data)
+            nursery.cancel_scope.cancel()
+        old_id = f.mirror_id
+        assert buddy.mirrors[old_id].state is FileState.PENDING
+
+        writer, client, g = restarted_writer(tmp_path, link, crashed, f, ["n1", "n2"])
+        assert g.mirror is MirrorState.RECOVERED and g.mirror_id == old_id
+        assert g.holders == ["n1", "n2"]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.run)
+            await client.renaming([(g, "final.pt")])
+            g.path = "final.pt"
+            assert buddy.mirrors[old_id].path == "final.pt"
+
+            assert await client.resync() == 1
+            assert g.mirror is MirrorState.ACKED and g.mirror_id != old_id
+            await trio.testing.wait_all_tasks_blocked()  # the old id's drop went out
+            assert old_id not in buddy.mirrors
+            held = buddy.mirrors[g.mirror_id]
+            assert held.state is FileState.PENDING and held.path == "final.pt"
+            assert held.version == f.version and held is buddy.held_version("fa", f.version)
+            assert bytes(await buddy.read(held, 0, held.size)) == data
+            assert buddy.mirror_slots == 3 == held.ram_count
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_write_to_a_recovered_version_drops_the_buddys_old_copy(tmp_path: Path):
+    """New content in a recovered file (the job writes the same name again)
+    cannot go on under the crashed process's mirror id: the old copy is
+    dropped and the new content streams under a new id. A recovered version
+    whose manifest names only this node has no mirror at all."""
+
+    async def main() -> None:
+        crashed, buddy, old_client, link = writer_and_buddy(tmp_path, hold=None)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(old_client.run)
+            fa, fb = await committed(crashed, old_client, a=os.urandom(PS), b=os.urandom(PS))
+            nursery.cancel_scope.cancel()
+        old_id = fa.mirror_id
+        writer, client, g = restarted_writer(tmp_path, link, crashed, fa, ["n1", "n2"])
+        _, _, alone = restarted_writer(tmp_path, link, crashed, fb, ["n1"])
+        assert alone.mirror is MirrorState.NONE and alone.mirror_id != fb.mirror_id
+        assert alone.holders == ["n1"]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.run)
+            data = os.urandom(PS)
+            await writer.write(g, 0, data)
+            assert g.state is FileState.MODIFIED and g.mirror_id != old_id
+            await trio.testing.wait_all_tasks_blocked()
+            assert old_id not in buddy.mirrors
+            assert await commit(writer, client, g) == ["n1", "n2"]
+            held = buddy.held_version("fa", g.version)
+            assert held is not None and bytes(await buddy.read(held, 0, held.size)) == data
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_rename_that_crosses_a_resyncs_commit_is_still_found_by_the_takeover(tmp_path: Path):
+    """The buddy restarts and the resync's commit of a file, built with its
+    temporary name, is on its way when the job renames the file (os.replace
+    after torch.save): the rename's message reaches the buddy first, then
+    the commit with the old name. The buddy's takeover must still find the
+    file at its new name."""
+
+    async def main() -> None:
+        writer, _, client, link = writer_and_buddy(tmp_path, hold=None)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.run)
+            data = os.urandom(PS + 7)
+            (f,) = await committed(writer, client, a=data)
+            buddy = restarted_buddy(tmp_path, link, "n2b")
+            link.hold = COMMIT
+            async with trio.open_nursery() as race:
+                race.start_soon(client.resync)
+                await link.held.wait()  # its body names a.pt
+                await client.renaming([(f, "final.pt")])
+                f.path = "final.pt"
+                link.open.set()
+            held = buddy.held_version("fa", f.version)
+            assert held is not None and f.mirror is MirrorState.ACKED
+
+            async def manifest_at(path: str) -> Manifest | None:
+                if path != "final.pt":
+                    raise FileNotFoundError(path)
+                return pending("fa", f.version, ["n1", "n2"])
+
+            server = MirrorServer(buddy, mirrored_for=("n1",), timeout=0.2,
+                                  manifest_at=manifest_at, is_alive=lambda name: False)  # fmt: skip
+            assert await server.take_over("n1") == 1
+            assert held.role is FileRole.TAKEOVER and held.path == "final.pt"
+            assert bytes(await buddy.read(held, 0, held.size)) == data
             nursery.cancel_scope.cancel()
 
     trio.run(main)

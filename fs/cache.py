@@ -275,14 +275,28 @@ class Cache:
         )  # fmt: skip
         f.state = FileState.PENDING
         f.holders = [self.node]
-        if record.get("mirror_id") and holders and set(holders) - {self.node}:
-            # The buddy acknowledged this version before the crash.
+        dirty = {int(p): entry for p, entry in record["dirty"].items()}
+        gens = [int(entry[2]) for entry in dirty.values() if len(entry) > 2]
+        # Generations only grow within a mirror id: this process's go on
+        # above the crashed one's (and above the buddy's floor for it).
+        top = max([int(record.get("newest_gen", 0)), *gens])
+        self._gen = itertools.count(max(next(self._gen), top + 1))
+        if (
+            record.get("mirror_id")
+            and len(gens) == len(dirty)
+            and holders
+            and set(holders) - {self.node}
+        ):
+            # The buddy acknowledged every page of this version at these
+            # generations before the crash (only then does a manifest name
+            # it): its copy is this file's mirror still.
             f.mirror_id, f.holders = str(record["mirror_id"]), list(holders)
-            f.mirror = MirrorState.RECOVERED
+            f.mirror = MirrorState.ACKED
         f.chunking = record.get("chunking", "fixed")
         f.content_gen = next(self._gen)
-        for p, (slot, fill) in record["dirty"].items():
-            f.pages[int(p)] = Page(PageState.DIRTY, slot, fill, next(self._gen))
+        for p, (slot, fill, *kept) in dirty.items():
+            gen = int(kept[0]) if kept else next(self._gen)
+            f.pages[p] = Page(PageState.DIRTY, slot, fill, gen)
             f.ram_count += 1
             f.dirty_count += 1
             self._own_page_dirtied()
@@ -393,10 +407,6 @@ class Cache:
         f.role = FileRole.LOCAL
         if f.mirror is MirrorState.ACKED:
             f.mirror = MirrorState.STREAMING  # the buddy's copy no longer matches
-        elif f.mirror is MirrorState.RECOVERED:
-            # New content, and the old id's generations are not ours to go on.
-            self.on_mirror_done(f.mirror_id, "")
-            f.mirror, f.mirror_id = MirrorState.NONE, new_id()
         self._notify(f)
         if key is not None:
             # The record lists slots this change is about to overwrite.
@@ -580,12 +590,6 @@ class Cache:
             elif state is MirrorState.FALLBACK:
                 f.mirrored_at = None  # the history must not say mirrored
             self._notify(f)
-
-    def renew_mirror_id(self, f: CachedFile) -> str:
-        """Give ``f``'s content a mirror id of this process (a RECOVERED
-        file's is the crashed one's); returns the old id."""
-        old, f.mirror_id = f.mirror_id, new_id()
-        return old
 
     # ----- buddy mirroring: the buddy's side ------------------------------------
     async def mirror_page(

@@ -50,10 +50,12 @@ def record_of(snap: Snapshot) -> dict[str, Any]:
         "mtime_ns": f.mtime_ns,
         "atime_ns": f.atime_ns,
         "chunking": f.chunking,
-        # The buddy's name for this content, for recovery to rename and drop it.
+        # The buddy's name for this content and each page's generation: a
+        # daemon that recovers the version goes on with the buddy's copy.
         "mirror_id": f.mirror_id,
+        "newest_gen": snap.newest_gen(),  # the buddy's floor for it (Snapshot.newest_gen)
         "dirty": {
-            str(p): [pg.slot, pg.fill]
+            str(p): [pg.slot, pg.fill, pg.gen]
             for p, pg in snap.pages.items()
             if pg.state is PageState.DIRTY
         },

@@ -24,7 +24,7 @@ log = logging.getLogger("ckptfs.recovery")
 
 
 def _slots(record: dict[str, Any]) -> set[int]:
-    return {int(slot) for slot, _ in record["dirty"].values()}
+    return {int(entry[0]) for entry in record["dirty"].values()}
 
 
 async def recover(cache: Cache, journal: Journal, backing: Backing, arena: Arena) -> int:

@@ -53,11 +53,6 @@ class MirrorState(Enum):
     STREAMING = "streaming"  # pages are being sent; not every generation is acknowledged
     ACKED = "acked"  # the buddy acknowledged every page generation of the snapshot
     FALLBACK = "fallback"  # the buddy failed; this file fell back to local durability
-    # Adopted from the cache after a daemon crash, its pending manifest naming
-    # the buddy: the buddy may still hold it under ``mirror_id``, but this
-    # process cannot continue that id's page generations, so the buddy is
-    # given it again under a new id (resync) and the old one is dropped.
-    RECOVERED = "recovered"
 
 
 class PageState(Enum):

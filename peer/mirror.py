@@ -485,16 +485,14 @@ class MirrorClient:
 
     async def resync(self) -> int:
         """The buddy came back (it may have restarted empty): mirror again
-        every pending version it was holding, and give it again, under new
-        ids, the versions this daemon recovered after a crash (RECOVERED).
-        Returns how many it holds now.
+        every pending version it was holding. Returns how many it holds now.
 
         Versions are followed by mirror id, not by file: a rewrite of the
         name meanwhile (truncate to 0) moves a pending version to a retired
         file that keeps its mirror id. A commit being published now was
         acknowledged by the buddy's previous life too: its lock is held
         until the publish ends, and the version is then mirrored again."""
-        at_risk = {f.mirror_id for f in self.cache.all_files() if _at_risk(f)}
+        at_risk = {f.mirror_id for f in self.cache.all_files() if _acknowledged_or_publishing(f)}
         sent: set[str] = set()
         held = 0
         self._down_until = 0.0  # the membership heard from it
@@ -503,7 +501,9 @@ class MirrorClient:
             todo = [
                 f
                 for f in self.cache.all_files()
-                if f.mirror_id in at_risk and f.mirror_id not in sent and _at_risk(f)
+                if f.mirror_id in at_risk
+                and f.mirror_id not in sent
+                and _acknowledged_or_publishing(f)
             ]
             if not todo:
                 break
@@ -523,16 +523,18 @@ class MirrorClient:
         # lock) let writes and commits run, and a file no longer PENDING
         # would send changed pages under its old version.
         async with f.commit_lock:
-            if f.mirror_id in sent or not (_acknowledged(f) or _recovered(f)):
+            if f.mirror_id in sent or not _acknowledged(f):
                 return False  # changed since: its next commit mirrors it
             sent.add(f.mirror_id)
-            self._acked.pop(f.mirror_id, None)
-            # The buddy's copy of a recovered version under its old id (if it
-            # kept it) has page generations of the crashed process: the
-            # content goes again, under an id of this process, and the old
-            # one is dropped.
-            recovered = self.cache.renew_mirror_id(f) if _recovered(f) else None
             snap = self.cache.journal_snapshot(f)
+            if self._acked.pop(f.mirror_id, None) is None:
+                # Acknowledged before this process began: recovered after a
+                # crash of this daemon, its manifest naming the buddy. The
+                # buddy likely kept it, so the commit goes first, and only
+                # the pages it then says it lacks are sent.
+                self._acked[f.mirror_id] = {
+                    p: pg.gen for p, pg in snap.pages.items() if pg.state is PageState.DIRTY
+                }
             manifest = Manifest(
                 f.file_id, f.version, f.size, f.mode, f.mtime_ns, "pending", list(f.holders),
                 chunking=f.chunking, atime_ns=f.atime_ns,
@@ -543,11 +545,6 @@ class MirrorClient:
                 if _still(f, snap):
                     self._fall_back(f, str(exc))
                 return False
-            finally:
-                if recovered is not None:
-                    self.done(recovered, "")
-            if recovered is not None and _still(f, snap):
-                self.cache.set_mirror(f, MirrorState.ACKED)
             # Not counted if written meanwhile: its next commit mirrors it.
             return _still(f, snap)
 
@@ -568,21 +565,6 @@ def _acknowledged(f: CachedFile) -> bool:
     return (
         f.role is FileRole.LOCAL and f.state is FileState.PENDING and f.mirror is MirrorState.ACKED
     )
-
-
-def _recovered(f: CachedFile) -> bool:
-    """A pending version of ours, adopted after a crash, that the buddy
-    acknowledged before it (see MirrorState.RECOVERED)."""
-    return (
-        f.role is FileRole.LOCAL
-        and f.state is FileState.PENDING
-        and f.mirror is MirrorState.RECOVERED
-    )
-
-
-def _at_risk(f: CachedFile) -> bool:
-    """What a resync gives the buddy (again)."""
-    return _acknowledged_or_publishing(f) or _recovered(f)
 
 
 def _acknowledged_or_publishing(f: CachedFile) -> bool:

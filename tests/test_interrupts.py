@@ -218,32 +218,43 @@ def test_ctrl_c_ends_a_close_waiting_for_durability(mounts, tmp_path):
 
 SAVER = textwrap.dedent(
     """
-    import hashlib, os, random, sys
+    import hashlib, os, random, signal, sys
     tmp, final, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
     rng = random.Random(seed)
     data = rng.randbytes(rng.randrange(4 << 20, 24 << 20))
     print("start", flush=True)
+    outcome = "interrupted"
     try:
-        with open(tmp, "wb") as f:
-            for pos in range(0, len(data), 1 << 20):
-                f.write(data[pos : pos + (1 << 20)])
-        os.replace(tmp, final)
-        print("replaced", flush=True)
+        try:
+            with open(tmp, "wb") as f:
+                for pos in range(0, len(data), 1 << 20):
+                    f.write(data[pos : pos + (1 << 20)])
+            os.replace(tmp, final)
+            outcome = "replaced"
+        finally:
+            # A signal from here on finds the save over: the line that
+            # says how it ended is printed whole.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
     except KeyboardInterrupt:
-        print("interrupted", flush=True)
+        pass
+    print(outcome, flush=True)
     """
 )
 
 LOADER = textwrap.dedent(
     """
-    import hashlib, sys
+    import hashlib, signal, sys
     print("start", flush=True)
+    outcome = "interrupted"
     try:
-        with open(sys.argv[1], "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
-        print("read", digest, flush=True)
+        try:
+            with open(sys.argv[1], "rb") as f:
+                outcome = "read " + hashlib.sha256(f.read()).hexdigest()
+        finally:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in SAVER
     except KeyboardInterrupt:
-        print("interrupted", flush=True)
+        pass
+    print(outcome, flush=True)
     """
 )
 

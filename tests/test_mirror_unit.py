@@ -941,20 +941,18 @@ def restarted_writer(
     record = json.loads(json.dumps(record_of(crashed.journal_snapshot(f))))
     writer = small_cache(tmp_path, "n1")
     adopted = writer.adopt(record, holders)
-    writer.arena.claim({slot for slot, _ in record["dirty"].values()})
+    writer.arena.claim({entry[0] for entry in record["dirty"].values()})
     client = mirror_client(writer, link)
     return writer, client, adopted
 
 
-def test_a_recovered_version_is_renamed_at_the_buddy_and_mirrored_again_under_a_new_id(
-    tmp_path: Path,
-):
+def test_a_recovered_version_goes_on_with_the_buddys_copy(tmp_path: Path):
     """After a crash of the writer's daemon, recovery adopts a pending version
-    the buddy acknowledged. The buddy may still hold it, under an id whose
-    page generations the new process cannot continue. A rename of it must
-    reach the buddy's copy (its takeover looks at the name), and the resync
-    must give the buddy the version under a new id and drop the old copy;
-    the buddy then holds exactly one copy, with the bytes written."""
+    the buddy acknowledged. It keeps its mirror id and page generations, so a
+    rename of it reaches the buddy's copy (its takeover looks at the name),
+    and the resync finds the buddy's copy complete: one commit, no page sent
+    again, one copy held. A buddy that lost it is sent the pages the commit
+    says it lacks."""
 
     async def main() -> None:
         crashed, buddy, old_client, link = writer_and_buddy(tmp_path, hold=None)
@@ -963,56 +961,70 @@ def test_a_recovered_version_is_renamed_at_the_buddy_and_mirrored_again_under_a_
             nursery.start_soon(old_client.run)
             (f,) = await committed(crashed, old_client, a=data)
             nursery.cancel_scope.cancel()
-        old_id = f.mirror_id
-        assert buddy.mirrors[old_id].state is FileState.PENDING
+        kept = buddy.mirrors[f.mirror_id]
+        assert kept.state is FileState.PENDING
 
         writer, client, g = restarted_writer(tmp_path, link, crashed, f, ["n1", "n2"])
-        assert g.mirror is MirrorState.RECOVERED and g.mirror_id == old_id
+        assert g.mirror is MirrorState.ACKED and g.mirror_id == f.mirror_id
         assert g.holders == ["n1", "n2"]
         async with trio.open_nursery() as nursery:
             nursery.start_soon(client.run)
             await client.renaming([(g, "final.pt")])
             g.path = "final.pt"
-            assert buddy.mirrors[old_id].path == "final.pt"
+            assert kept.path == "final.pt"
 
+            link.sent.clear()
             assert await client.resync() == 1
-            assert g.mirror is MirrorState.ACKED and g.mirror_id != old_id
-            await trio.testing.wait_all_tasks_blocked()  # the old id's drop went out
-            assert old_id not in buddy.mirrors
-            held = buddy.mirrors[g.mirror_id]
-            assert held.state is FileState.PENDING and held.path == "final.pt"
-            assert held.version == f.version and held is buddy.held_version("fa", f.version)
-            assert bytes(await buddy.read(held, 0, held.size)) == data
-            assert buddy.mirror_slots == 3 == held.ram_count
+            assert link.sent == [COMMIT], link.sent  # nothing sent again
+            assert buddy.mirrors == {g.mirror_id: kept} and kept.state is FileState.PENDING
+            assert kept.version == g.version and kept.path == "final.pt"
+            assert bytes(await buddy.read(kept, 0, kept.size)) == data
+            assert buddy.mirror_slots == 3 == kept.ram_count
+
+            fresh = restarted_buddy(tmp_path, link, "n2b")
+            assert await client.resync() == 1
+            held = fresh.held_version("fa", g.version)
+            assert held is not None and held.path == "final.pt"
+            assert bytes(await fresh.read(held, 0, held.size)) == data
             nursery.cancel_scope.cancel()
 
     trio.run(main)
 
 
-def test_a_write_to_a_recovered_version_drops_the_buddys_old_copy(tmp_path: Path):
+def test_a_write_to_a_recovered_version_streams_above_the_crashed_generations(tmp_path: Path):
     """New content in a recovered file (the job writes the same name again)
-    cannot go on under the crashed process's mirror id: the old copy is
-    dropped and the new content streams under a new id. A recovered version
-    whose manifest names only this node has no mirror at all."""
+    goes on under its mirror id with generations above the crashed
+    process's, so the buddy takes it as new content rather than as late
+    copies. A version whose manifest names only this node has no mirror, and
+    a journal record of an older daemon (no generations) gets a new id."""
 
     async def main() -> None:
         crashed, buddy, old_client, link = writer_and_buddy(tmp_path, hold=None)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(old_client.run)
-            fa, fb = await committed(crashed, old_client, a=os.urandom(PS), b=os.urandom(PS))
+            (fb,) = await committed(crashed, old_client, b=os.urandom(PS))
+            fa = crashed.new_file("fa", "v0", "a.pt", 0o644, 0, 0)
+            await crashed.write(fa, 0, os.urandom(2 * PS))
+            await crashed.truncate(fa, PS)  # the floor is then above every page's generation
+            assert await commit(crashed, old_client, fa) == ["n1", "n2"]
             nursery.cancel_scope.cancel()
-        old_id = fa.mirror_id
+        floor = buddy.mirrors[fa.mirror_id].mirror_floor
+        assert floor > max(page.gen for page in fa.pages.values())
         writer, client, g = restarted_writer(tmp_path, link, crashed, fa, ["n1", "n2"])
+        assert g.content_gen > floor
         _, _, alone = restarted_writer(tmp_path, link, crashed, fb, ["n1"])
         assert alone.mirror is MirrorState.NONE and alone.mirror_id != fb.mirror_id
         assert alone.holders == ["n1"]
+        old_record = record_of(crashed.journal_snapshot(fb))
+        old_record["dirty"] = {p: entry[:2] for p, entry in old_record["dirty"].items()}
+        older = small_cache(tmp_path, "n1").adopt(old_record, ["n1", "n2"])
+        assert older.mirror is MirrorState.NONE and older.mirror_id != fb.mirror_id
         async with trio.open_nursery() as nursery:
             nursery.start_soon(client.run)
             data = os.urandom(PS)
             await writer.write(g, 0, data)
-            assert g.state is FileState.MODIFIED and g.mirror_id != old_id
-            await trio.testing.wait_all_tasks_blocked()
-            assert old_id not in buddy.mirrors
+            assert g.state is FileState.MODIFIED and g.mirror_id == fa.mirror_id
+            assert g.pages[0].gen > floor
             assert await commit(writer, client, g) == ["n1", "n2"]
             held = buddy.held_version("fa", g.version)
             assert held is not None and bytes(await buddy.read(held, 0, held.size)) == data

@@ -69,6 +69,14 @@ class FileLost(OSError):
         super().__init__(errno.EIO, message)
 
 
+def _move_mirror(f: CachedFile, path: str) -> None:
+    """Mirror ``f`` is at ``path`` now; the takeover also looks at the last
+    few paths it had (a rename that failed, a message that crossed another)."""
+    if f.path and f.path != path:
+        f.prior_paths = [*f.prior_paths[-3:], f.path]
+    f.path = path
+
+
 def _adds_nothing(f: CachedFile, p: int, gen: int, fill: int) -> bool:
     """Whether page ``p`` of mirror ``f`` arriving at (``gen``, ``fill``) adds
     nothing. The writer's generations only grow within a mirror id, so it
@@ -276,10 +284,11 @@ class Cache:
         f.state = FileState.PENDING
         f.holders = [self.node]
         dirty = {int(p): entry for p, entry in record["dirty"].items()}
-        gens = [int(entry[2]) for entry in dirty.values() if len(entry) > 2]
+        # [slot, fill, generation]; records of older daemons have no generation.
+        gens = {p: int(entry[2]) for p, entry in dirty.items() if len(entry) > 2}
         # Generations only grow within a mirror id: this process's go on
         # above the crashed one's (and above the buddy's floor for it).
-        top = max([int(record.get("newest_gen", 0)), *gens])
+        top = max([int(record.get("newest_gen", 0)), *gens.values()])
         self._gen = itertools.count(max(next(self._gen), top + 1))
         if (
             record.get("mirror_id")
@@ -294,8 +303,8 @@ class Cache:
             f.mirror = MirrorState.ACKED
         f.chunking = record.get("chunking", "fixed")
         f.content_gen = next(self._gen)
-        for p, (slot, fill, *kept) in dirty.items():
-            gen = int(kept[0]) if kept else next(self._gen)
+        for p, (slot, fill, *_) in dirty.items():
+            gen = gens[p] if p in gens else next(self._gen)
             f.pages[p] = Page(PageState.DIRTY, slot, fill, gen)
             f.ram_count += 1
             f.dirty_count += 1
@@ -759,17 +768,11 @@ class Cache:
             f.pages[p].fill = fill
         for p, (chunk, fill) in spilled.items():
             f.pages[p] = Page(PageState.SPILLED, -1, fill, 0, chunk)
-        if f.path and f.path != path:
-            # A rename's message and a commit built before it cross on the
-            # way (a resync runs beside the job): which path is current is
-            # not known here, so the takeover looks at both.
-            f.prior_paths = [*f.prior_paths[-3:], f.path]
-        f.file_id, f.version, f.path, f.size = (
-            manifest.file_id,
-            manifest.version,
-            path,
-            manifest.size,
-        )
+        # A rename's message and a commit built before it may cross on the
+        # way (a resync runs beside the job): which path is current is not
+        # known here, so the takeover looks at both.
+        _move_mirror(f, path)
+        f.file_id, f.version, f.size = manifest.file_id, manifest.version, manifest.size
         f.mode, f.uid, f.gid = manifest.mode & 0o7777, uid, gid
         f.mtime_ns, f.atime_ns = manifest.mtime_ns, manifest.atime
         f.chunking, f.base = manifest.chunking, base
@@ -785,9 +788,7 @@ class Cache:
         f = self.mirrors.get(mid)
         if f is None or f.origin != origin:
             return False
-        if f.path and f.path != path:
-            f.prior_paths = [*f.prior_paths[-3:], f.path]
-        f.path = path
+        _move_mirror(f, path)
         return True
 
     def mirror_drop(self, origin: str, mid: str, version: str) -> bool:

@@ -62,7 +62,7 @@ Reply = Payload | Sequence[Payload]
 SlowHandler = Callable[["Request"], Awaitable[Reply | None]]
 FastHandler = Callable[["Request"], Reply | None]
 
-NO_REPLY = frozenset({Op.FORGET, Op.BATCH_FORGET, Op.INTERRUPT, Op.NOTIFY_REPLY})
+NO_REPLY = frozenset(int(op) for op in (Op.FORGET, Op.BATCH_FORGET, Op.INTERRUPT, Op.NOTIFY_REPLY))
 # Bodies larger than this keep their read buffer until handled (a WRITE's
 # data); smaller ones are copied out so that reading goes on in the buffer.
 KEEP_BUFFER_OVER = 64 << 10
@@ -70,6 +70,11 @@ BUFFERS = 16  # spare read buffers of BUFFER_SIZE (1 MiB + a page), pre-faulted
 PAGE = os.sysconf("SC_PAGE_SIZE")
 YIELD_EVERY = 8  # requests the reader answers in a row before other tasks run
 STOP_POLL = 0.2  # seconds between looks for a stop signal after another signal
+# Bound once: every request goes through them.
+IN_HEADER_UNPACK = abi.IN_HEADER.unpack_from
+IN_HEADER_SIZE = abi.IN_HEADER.size
+OUT_HEADER_PACK = abi.OUT_HEADER.pack
+OUT_HEADER_SIZE = abi.OUT_HEADER.size
 
 
 class FuseError(Exception):
@@ -127,6 +132,11 @@ class Session:
         os.set_blocking(fd, False)  # the reader waits in the loop, not in read(2)
         self.fd = fd
         self.handlers = handlers
+        # Plain int keys: a request's opcode is an int, and an IntEnum key
+        # makes each lookup compare through the enum.
+        self._fast = {int(op): fn for op, fn in handlers.fast.items()}
+        self._slow = frozenset(int(op) for op in handlers.slow)
+        self._answered = handlers.answered
         self.counters = Counters()
         self._max_workers = workers
         self._idle_workers = 0  # waiting for the read lock, or reading
@@ -243,23 +253,26 @@ class Session:
 
     def _answer_inline(self, req: Request) -> bool:
         """Whether ``req`` was answered without a worker: INIT, stateless, fast."""
-        if req.op == Op.INIT:
-            self._init(req)
-            return True
-        if req.op == Op.INTERRUPT:
-            self._interrupt(req)
-            return True
-        fast = self.handlers.fast.get(req.op)
+        # The order of the tests is the order of how often they are true: this
+        # runs for every request, on the caller's clock (docs/PERFORMANCE.md).
+        op = req.op
+        fast = self._fast.get(op)
         if fast is not None:
             if not self._run_fast(fast, req):
                 return False
             self.counters.fast += 1
-        elif req.op in self.handlers.slow:
+        elif op in self._slow:
             return False
+        elif op == Op.INIT:
+            self._init(req)
+            return True
+        elif op == Op.INTERRUPT:
+            self._interrupt(req)
+            return True
         else:
             self._stateless(req)
-        if self.handlers.answered is not None and req.pid:
-            self.handlers.answered()  # a caller waits for it: more may follow
+        if self._answered is not None and req.pid:
+            self._answered()  # a caller waits for it: more may follow
         return True
 
     async def _handle(self, req: Request) -> None:
@@ -381,11 +394,15 @@ class Session:
         return buf
 
     def _reply(self, req: Request, result: Reply) -> None:
+        if isinstance(result, bytes):  # most replies: one struct, packed
+            head = OUT_HEADER_PACK(OUT_HEADER_SIZE + len(result), 0, req.unique)
+            self._write([head, result], req)
+            return
         parts: Sequence[Payload] = (
-            [result] if isinstance(result, bytes | bytearray | memoryview) else result
+            [result] if isinstance(result, bytearray | memoryview) else result
         )
-        size = abi.OUT_HEADER.size + sum(len(p) for p in parts)
-        self._write([abi.OUT_HEADER.pack(size, 0, req.unique), *parts], req)
+        size = OUT_HEADER_SIZE + sum(len(p) for p in parts)
+        self._write([OUT_HEADER_PACK(size, 0, req.unique), *parts], req)
 
     def _reply_failure(self, req: Request, exc: Exception) -> None:
         """A handler raised: its FuseError's errno (EINTR for an interrupted
@@ -403,7 +420,7 @@ class Session:
             log.error("%s of inode %d: errno %r is no errno", _name(req.op), req.nodeid, err)
             err = errno.EIO
         if req.op not in NO_REPLY:
-            self._write([abi.OUT_HEADER.pack(abi.OUT_HEADER.size, -err, req.unique)], req)
+            self._write([OUT_HEADER_PACK(OUT_HEADER_SIZE, -err, req.unique)], req)
 
     def _write(self, parts: Sequence[Payload], req: Request) -> None:
         try:
@@ -461,8 +478,8 @@ class Session:
 
 
 def _request(buf: bytearray, n: int) -> Request:
-    _, op, unique, nodeid, uid, gid, pid, _, _ = abi.IN_HEADER.unpack_from(buf)
-    return Request(op, unique, nodeid, uid, gid, pid, memoryview(buf)[abi.IN_HEADER.size : n])
+    _, op, unique, nodeid, uid, gid, pid, _, _ = IN_HEADER_UNPACK(buf)
+    return Request(op, unique, nodeid, uid, gid, pid, memoryview(buf)[IN_HEADER_SIZE:n])
 
 
 def _prefaulted(size: int) -> bytearray:

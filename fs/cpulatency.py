@@ -8,13 +8,20 @@ torch.load(mmap=True) makes three such requests between its two opens.
 
 While requests flow, the daemon asks the kernel, through the PM QoS device
 /dev/cpu_dma_latency, to keep idle CPUs in their shallowest idle state (they
-poll instead of halting), and drops the request once no FUSE request came for
-``fuse.cpu_latency_hold`` seconds, so an idle node idles as before. Off by
-default: it changes the whole machine's idle behaviour while held, and it only
-helps when the caller and the daemon run on different CPUs (README
-"Benchmark" has the measurements). The device is root's; without it (an
-unprivileged daemon, a kernel without PM QoS) the mount works as before and
-``ckptfs stat`` says why.
+poll instead of halting), and drops the request once no request came for a
+while, so an idle node idles as before. Two holds use it:
+
+- ``fuse.burst_latency_hold`` (:class:`BurstHold`, 2 ms by default): taken when
+  a request is answered inline, let go by the session's reader once that long
+  passed without another; a caller's next request usually follows within
+  microseconds.
+- ``fuse.cpu_latency_hold`` (:class:`CpuLatencyHold`, off by default): taken on
+  every request, let go by a task on the loop. It changes the whole machine's
+  idle behaviour while held, and it only helps when the caller and the daemon
+  run on different CPUs (README "Benchmark" has the measurements).
+
+The device is root's; without it (an unprivileged daemon, a kernel without
+PM QoS) the mount works as before and ``ckptfs stat`` says why.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import enum
 import logging
 import os
 import struct
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,73 +46,53 @@ LATENCY_US = 0
 
 
 class HoldState(enum.Enum):
-    OFF = "off"  # fuse.cpu_latency_hold is 0
+    OFF = "off"  # the hold time is 0
     UNAVAILABLE = "unavailable"  # the device could not be opened; see ``reason``
     IDLE = "idle"  # no request within the hold time: idle CPUs sleep as they like
     HELD = "held"  # requests are flowing: idle CPUs poll
 
 
-class CpuLatencyHold:
-    """Holds a PM QoS CPU latency request from one FUSE request until ``hold``
-    seconds pass without another. ``touch`` runs on every FUSE request (cheap
-    once held); ``run`` is the task that lets go."""
+class _LatencyRequest:
+    """The PM QoS request itself: taken (the device open with our limit
+    written), let go (closed), and what ``ckptfs stat`` shows of it."""
 
-    def __init__(
-        self,
-        hold: float,
-        key: str = "fuse.cpu_latency_hold",
-        device: str = DEVICE,
-        clock: Callable[[], float] | None = None,
-    ) -> None:
+    def __init__(self, hold: float, key: str, device: str, clock: Callable[[], float]) -> None:
         self.hold = hold
         self.key = key  # the config key that sets ``hold``, for the log
         self.device = device
-        # trio's clock unless told otherwise; run() binds the run's clock
-        # itself, because touch() runs on every request and
-        # trio.current_time() is three Python calls.
-        self._clock: Callable[[], float] = clock or trio.current_time
-        self._bind_clock = clock is None
+        self._clock = clock
         self.state = HoldState.OFF if hold <= 0 else HoldState.IDLE
         self.reason = ""
         self._fd: int | None = None
         self._last = 0.0  # the last request, by self._clock
         self._since = 0.0  # when the current hold was taken
-        self._taken = trio.Event()  # set while HELD (or once UNAVAILABLE): wakes run()
         self.holds = 0
         self.held_seconds = 0.0  # over the holds already let go
 
-    def touch(self) -> None:
-        """A FUSE request arrived: take the hold, or keep it."""
-        if self.state is HoldState.HELD:
-            self._last = self._clock()
-        elif self.state is HoldState.IDLE:
-            self._take()
-
-    def _take(self) -> None:
-        # On the event loop on purpose: opening this device and writing to it
-        # only add a kernel PM QoS request (no I/O, microseconds), and a thread
-        # hop would cost the request that asked for it more than it saves.
+    def _take(self) -> bool:
+        """Whether the hold is now taken. Opening this device and writing to
+        it only add a kernel PM QoS request (no I/O, microseconds): done by
+        the caller, on the loop or the request thread, on purpose."""
         try:
             fd = os.open(self.device, os.O_WRONLY | os.O_CLOEXEC)
         except OSError as exc:
             self._unavailable(exc)
-            return
+            return False
         try:
             os.write(fd, struct.pack("=i", LATENCY_US))
         except OSError as exc:
             os.close(fd)
             self._unavailable(exc)
-            return
+            return False
         self._fd = fd
         self.state = HoldState.HELD
         self.holds += 1
         self._last = self._since = self._clock()
-        self._taken.set()
+        return True
 
     def _unavailable(self, exc: OSError) -> None:
         self.state = HoldState.UNAVAILABLE
         self.reason = f"{self.device}: {exc.strerror or exc}"
-        self._taken.set()  # run() has nothing left to do
         log.info(
             "not holding CPU wake-up latency (%s), and not trying again: each FUSE "
             "request pays idle CPUs' wake-ups as without %s",
@@ -119,12 +108,103 @@ class CpuLatencyHold:
         if self.state is HoldState.HELD:
             self.held_seconds += self._clock() - self._since
             self.state = HoldState.IDLE
+
+    def describe(self) -> dict[str, Any]:
+        held = self.held_seconds
+        if self.state is HoldState.HELD:
+            held += self._clock() - self._since
+        return {
+            "state": self.state.value,
+            "hold": self.hold,
+            "holds": self.holds,
+            "held_seconds": round(held, 3),
+            "reason": self.reason,
+        }
+
+
+class BurstHold(_LatencyRequest):
+    """Held from an inline answer until ``hold`` seconds pass without one.
+
+    No task lets it go: the session's reader (the request thread, or the
+    loop's reader while the loop reads) bounds its wait for the next request
+    by :meth:`remaining` and calls :meth:`release` when the wait runs out.
+    One reader at a time reads, so one thread at a time uses it."""
+
+    def __init__(
+        self,
+        hold: float,
+        key: str = "fuse.burst_latency_hold",
+        device: str = DEVICE,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(hold, key, device, clock)
+
+    def answered(self) -> None:
+        """A request was answered inline: take the hold, or keep it."""
+        if self.state is HoldState.HELD:
+            self._last = self._clock()
+        elif self.state is HoldState.IDLE:
+            self._take()
+
+    def remaining(self) -> float | None:
+        """Seconds until the hold is to be let go (0: now); None if not held."""
+        if self.state is not HoldState.HELD:
+            return None
+        return max(0.0, self._last + self.hold - self._clock())
+
+
+class CpuLatencyHold(_LatencyRequest):
+    """Holds a PM QoS CPU latency request from one FUSE request until ``hold``
+    seconds pass without another. ``touch`` runs on every FUSE request (cheap
+    once held, from any thread); ``run`` is the task that lets go."""
+
+    def __init__(
+        self,
+        hold: float,
+        key: str = "fuse.cpu_latency_hold",
+        device: str = DEVICE,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        # trio's clock unless told otherwise; run() binds the run's clock
+        # itself, because touch() runs on every request and
+        # trio.current_time() is three Python calls.
+        super().__init__(hold, key, device, clock or trio.current_time)
+        self._bind_clock = clock is None
+        self._taken = trio.Event()  # set while HELD (or once UNAVAILABLE): wakes run()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._loop_thread: int | None = None
+
+    def touch(self) -> None:
+        """A FUSE request arrived: take the hold, or keep it."""
+        if self.state is HoldState.HELD:
+            self._last = self._clock()
+        elif self.state is HoldState.IDLE:
+            if self._token is not None and threading.get_ident() != self._loop_thread:
+                # The request thread: run() must be woken on the loop.
+                try:
+                    self._token.run_sync_soon(self.touch)
+                except trio.RunFinishedError:
+                    pass
+                return
+            self._take()
+            self._taken.set()
+
+    def _unavailable(self, exc: OSError) -> None:
+        super()._unavailable(exc)
+        self._taken.set()  # run() has nothing left to do
+
+    def release(self) -> None:
+        was_held = self.state is HoldState.HELD
+        super().release()
+        if was_held:
             self._taken = trio.Event()
 
     async def run(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Let go of the hold once ``hold`` seconds pass without a request."""
         if self._bind_clock:
             self._clock = trio.lowlevel.current_clock().current_time
+        self._token = trio.lowlevel.current_trio_token()
+        self._loop_thread = threading.get_ident()
         task_status.started()
         try:
             while True:
@@ -140,15 +220,3 @@ class CpuLatencyHold:
                     return
         finally:
             self.release()
-
-    def describe(self) -> dict[str, Any]:
-        held = self.held_seconds
-        if self.state is HoldState.HELD:
-            held += self._clock() - self._since
-        return {
-            "state": self.state.value,
-            "hold": self.hold,
-            "holds": self.holds,
-            "held_seconds": round(held, 3),
-            "reason": self.reason,
-        }

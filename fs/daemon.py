@@ -26,7 +26,7 @@ from ckptfs.peer.represent import Representation, attach
 from . import control
 from .config import Config
 from .core import Core
-from .cpulatency import CpuLatencyHold
+from .cpulatency import BurstHold, CpuLatencyHold
 from .fusemount import MountFailed, mount, unmount
 from .fusesession import Session
 from .fusesession import describe as describe_session
@@ -70,9 +70,7 @@ class Daemon:
         self.cpu_latency = CpuLatencyHold(self.config.cpu_latency_hold, "fuse.cpu_latency_hold")
         # A burst of small requests (torch.load's opens): held from a fast
         # answer until that long after the last (fs/fusesession.py).
-        self.burst_latency = CpuLatencyHold(
-            self.config.burst_latency_hold, "fuse.burst_latency_hold"
-        )
+        self.burst_latency = BurstHold(self.config.burst_latency_hold)
         self.started = time.time()
         self._terminating = False
         self.session: Session | None = None
@@ -95,7 +93,6 @@ class Daemon:
                         core.cache.on_page_changed = mirror.changed
                         core.cache.on_mirror_done = mirror.done
                 nursery.start_soon(self.cpu_latency.run)
-                nursery.start_soon(self.burst_latency.run)
                 ops = Operations(
                     core.fs,
                     self.config.writeback_cache,
@@ -105,9 +102,12 @@ class Daemon:
                 fd = self._mount()
                 mounted = True
                 try:
-                    handlers = ops.handlers()
-                    handlers.answered = self.burst_latency.touch
-                    self.session = Session(fd, handlers, workers=self.config.fuse_workers)
+                    self.session = Session(
+                        fd,
+                        ops.handlers(),
+                        workers=self.config.fuse_workers,
+                        burst=self.burst_latency,
+                    )
                     await nursery.start(control.serve, self.sock_path, self._routes(), self.owners)
                     nursery.start_soon(self._signals)
                     nursery.start_soon(set_read_ahead, self.mountpoint, self.config.read_ahead_kb)

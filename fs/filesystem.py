@@ -754,21 +754,28 @@ class FileSystem:
     async def fsync(self, fh: int) -> None:
         await self.flush(fh)
 
-    def release_now(self, fh: int) -> bool:
+    def release_now(self, fh: int, off_loop: bool = False) -> bool:
         """Release a reader's handle, which needs no await (no commit, no
-        backing-store descriptor to close); whether it did."""
+        backing-store descriptor to close); whether it did. ``off_loop`` (the
+        FUSE request thread): also declines a release that would drop the
+        file or forget the inode, whose cleanup wakes tasks on the loop."""
         handle = self.handles.get(fh)
         if handle is None:
             return True
         if handle.writable or handle.plain_fd is not None:
             return False
+        inode, f = handle.inode, handle.file
+        if off_loop and (
+            (f is not None and f.unlinked) or (inode.opens == 1 and not inode.nlookup)
+        ):
+            return False
         del self.handles[fh]
-        handle.inode.opens -= 1
-        if handle.file is not None:
-            handle.file.handles -= 1
-            self.cache.let_go(handle.file)
-        if not handle.inode.nlookup and not handle.inode.opens:
-            self.forget(handle.inode.ino, 0)
+        inode.opens -= 1
+        if f is not None:
+            f.handles -= 1
+            self.cache.let_go(f)
+        if not inode.nlookup and not inode.opens:
+            self.forget(inode.ino, 0)
         return True
 
     async def release(self, fh: int) -> None:

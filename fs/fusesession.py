@@ -1,5 +1,5 @@
 """ckptfs's FUSE session: the kernel's requests, read from /dev/fuse and
-answered on the trio loop.
+answered by a request thread or on the trio loop.
 
 Why not pyfuse3's loop: there every request, however small, runs through
 two task steps and a lock handed between its reader tasks, about 20-45 µs of
@@ -8,42 +8,63 @@ the daemon's CPU on this VM, and pyfuse3 cannot set FOPEN_NOFLUSH.
 Python's ``isatty`` IOCTL, OPEN), so that was most of the window in which a
 replace of the path tears the load (issue 13, docs/PERFORMANCE.md).
 
-How a request goes:
+Who reads (``ReadMode``, one reader at a time):
+
+- THREAD: the request thread waits in poll(2) on /dev/fuse and answers what
+  needs no await by itself: INIT and IOCTL (ckptfs has none: ENOTTY, what
+  ``isatty`` gets on any file), which need no state, and the operations with
+  an *off-loop* fast path (``Handlers.off_loop``: a read-only open of a file
+  the cache can serve, a reader's release that drops nothing, a getattr that
+  needs no store access). It runs those only while the loop waits for I/O:
+  the loop holds the state lock at every other moment (``_LoopHoldsState``),
+  and the thread takes it without waiting or not at all. So a small request
+  costs one wake-up of a thread that goes back to sleep as soon as it has
+  written the reply, instead of a turn of the loop before and after.
+- LOOP: anything else (a request without an off-loop path, a fast path that
+  declined, the state lock taken) goes to the loop with the reading itself:
+  the thread parks, and worker tasks read, as below, until no request came
+  for ``LOOP_IDLE``; then the thread reads again. A save's WRITEs thus never
+  pay a hand-over each.
+
+On the loop:
 
 - Worker tasks take turns reading, one at a time (the read lock). The reader
-  reads before it waits: a caller on the same CPU runs as soon as it has
-  its reply, and its next request is already there when the reader gets the
-  CPU back, so it costs no wake-up of the loop.
-- INIT and IOCTL (ckptfs has none: ENOTTY, what ``isatty`` gets on any
-  file) need no state and are answered on the spot. INTERRUPT (no reply)
-  marks the request it names, if a handler still has it and its caller was
-  sent a stop signal: the waits that may end early then end (interrupts.py).
-- An operation with a *fast path* (``Handlers.fast``: a read-only open of a
-  file the cache can serve, a reader's release, a getattr that needs no
-  store access, forget) is answered by the reader inline, with no task. A
-  fast path is synchronous, and declines (returns None) before it changes
-  anything when the answer needs an await.
-- Any other request is run by the worker that read it, after it hands the
-  reading to the next worker (one is started if none waits, up to
-  ``workers``). So each request's handler starts (runs up to its first
-  await) before the next request is read, as pyfuse3 did. The kernel does
-  not promise that a writer's RELEASE, a background request, comes before a
-  later request of the same caller; nothing here relies on it (while it is
-  on its way the file still has its writer, and fast paths answer from our
-  copy). With every worker busy, reading stops and the kernel holds the
-  rest.
-- After a fast or stateless answer ``Handlers.answered`` is called: the
-  daemon takes a short PM QoS hold there (``fuse.burst_latency_hold``),
-  because a caller's next request usually follows within microseconds and
-  on a VM a halted CPU takes 30-70 µs to wake.
+  reads before it waits, so a burst costs no wake-up of the loop per request.
+- INTERRUPT (no reply) marks the request it names, if a handler still has it
+  and its caller was sent a stop signal: the waits that may end early then
+  end (interrupts.py).
+- An operation with a *fast path* (``Handlers.fast``: those above, and a
+  release that drops a file, forget) is answered by the reader inline, with
+  no task. A fast path is synchronous, and declines (returns None) before it
+  changes anything when the answer needs an await.
+- Any other request is run by the worker that read it (or took it from the
+  thread), after it hands the reading to the next worker (one is started if
+  none waits, up to ``workers``). So each request's handler starts (runs up
+  to its first await) before the next request is read, as pyfuse3 did: the
+  thread gives the reading away with the request and gets it back only once
+  the loop is idle. The kernel does not promise that a writer's RELEASE, a
+  background request, comes before a later request of the same caller;
+  nothing here relies on it (while it is on its way the file still has its
+  writer, and fast paths answer from our copy). With every worker busy,
+  reading stops and the kernel holds the rest.
+
+After a fast or stateless answer the reader keeps a short PM QoS hold
+(``fuse.burst_latency_hold``, cpulatency.BurstHold), because a caller's next
+request usually follows within microseconds and on a VM a halted CPU takes
+30-70 µs to wake; the reader lets it go when its wait for the next request
+runs out.
 """
 
 from __future__ import annotations
 
+import enum
 import errno
 import logging
+import math
 import os
 import queue
+import select
+import threading
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -53,6 +74,7 @@ import trio
 
 from . import fuseabi as abi
 from . import interrupts
+from .cpulatency import BurstHold
 from .fuseabi import Op
 
 log = logging.getLogger("ckptfs.fuse")
@@ -70,11 +92,37 @@ BUFFERS = 16  # spare read buffers of BUFFER_SIZE (1 MiB + a page), pre-faulted
 PAGE = os.sysconf("SC_PAGE_SIZE")
 YIELD_EVERY = 8  # requests the reader answers in a row before other tasks run
 STOP_POLL = 0.2  # seconds between looks for a stop signal after another signal
+# The loop reads while requests that need it keep coming (a save's WRITEs);
+# this long without a request, the request thread reads again.
+LOOP_IDLE = 0.005
+THREAD_JOIN = 5.0  # seconds to wait for the request thread at the end
 # Bound once: every request goes through them.
 IN_HEADER_UNPACK = abi.IN_HEADER.unpack_from
 IN_HEADER_SIZE = abi.IN_HEADER.size
 OUT_HEADER_PACK = abi.OUT_HEADER.pack
 OUT_HEADER_SIZE = abi.OUT_HEADER.size
+
+
+class ReadMode(enum.Enum):
+    THREAD = "thread"  # the request thread reads /dev/fuse
+    LOOP = "loop"  # the loop's worker tasks read it
+
+
+class _LoopHoldsState(trio.abc.Instrument):
+    """The loop holds ``lock`` except while it waits for I/O: the request
+    thread runs an off-loop fast path only then, with every task parked at an
+    await, as a fast path on the loop runs between two task steps. Installed
+    only while the thread reads: without it the loop holds the lock
+    throughout, and a save's many turns of the loop pay nothing for it."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.lock = lock
+
+    def before_io_wait(self, timeout: float) -> None:
+        self.lock.release()
+
+    def after_io_wait(self, timeout: float) -> None:
+        self.lock.acquire()
 
 
 class FuseError(Exception):
@@ -108,13 +156,16 @@ class Handlers:
 
     slow: dict[int, SlowHandler]
     fast: dict[int, FastHandler] = field(default_factory=dict)
+    # Fast paths the request thread may run: they touch nothing of trio's
+    # (no event, no task, no channel), only the filesystem's tables.
+    off_loop: dict[int, FastHandler] = field(default_factory=dict)
     writeback_cache: bool = False
-    answered: Callable[[], None] | None = None  # after each fast or stateless answer
 
 
 @dataclass
 class Counters:
     fast: int = 0  # answered by a fast path, inline
+    thread: int = 0  # of which by the request thread
     declined: int = 0  # had a fast path that declined: handled by a worker
     handled: int = 0  # handled by a worker (the async handler)
     stateless: int = 0  # INIT, IOCTL, unknown opcodes
@@ -127,16 +178,24 @@ class Session:
     """One mount's FUSE connection: ``fd`` is its /dev/fuse descriptor."""
 
     def __init__(
-        self, fd: int, handlers: Handlers, *, workers: int, buffers: int = BUFFERS
+        self,
+        fd: int,
+        handlers: Handlers,
+        *,
+        workers: int,
+        buffers: int = BUFFERS,
+        burst: BurstHold | None = None,
+        request_thread: bool = True,
     ) -> None:
-        os.set_blocking(fd, False)  # the reader waits in the loop, not in read(2)
+        os.set_blocking(fd, False)  # readers wait in poll(2) or the loop, not in read(2)
         self.fd = fd
         self.handlers = handlers
         # Plain int keys: a request's opcode is an int, and an IntEnum key
         # makes each lookup compare through the enum.
         self._fast = {int(op): fn for op, fn in handlers.fast.items()}
         self._slow = frozenset(int(op) for op in handlers.slow)
-        self._answered = handlers.answered
+        self._off_loop = {int(op): fn for op, fn in handlers.off_loop.items()}
+        self._burst = burst
         self.counters = Counters()
         self._max_workers = workers
         self._idle_workers = 0  # waiting for the read lock, or reading
@@ -150,16 +209,46 @@ class Session:
         self._workers: trio.Nursery | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._in_flight: dict[int, interrupts.InFlight] = {}  # by unique, while handled
+        self.mode = ReadMode.THREAD if request_thread else ReadMode.LOOP
+        self._state_lock = threading.Lock()  # the loop's, except while it waits for I/O
+        self._holds_state = _LoopHoldsState(self._state_lock)
+        self._sharing = False  # _holds_state installed
+        self._thread: RequestThread | None = None
+        # The request the thread gave the reading away with (None: the
+        # connection is gone); one at a time, so never more than one here.
+        self._handed_send, self._handed_recv = trio.open_memory_channel[Request | None](1)
 
     # ----- the session's life ------------------------------------------------------------
     async def run(self) -> None:
         """Serve until the mount goes away or :meth:`terminate`; returns once
         every request being handled has been answered."""
         self._token = trio.lowlevel.current_trio_token()
-        async with trio.open_nursery() as workers:
-            self._workers = workers
-            if not self._stopping:
-                self._add_worker()
+        self._state_lock.acquire()
+        try:
+            if self.mode is ReadMode.THREAD and not self._stopping:
+                self._thread = RequestThread(self)
+                self._share_state(True)
+                self._thread.start()
+            async with trio.open_nursery() as workers:
+                self._workers = workers
+                if not self._stopping:
+                    self._add_worker()
+        finally:
+            self._share_state(False)
+            self._state_lock.release()
+            await self._end_thread()
+            if self._burst is not None:
+                self._burst.release()  # the readers' hold: nobody reads any more
+
+    async def _end_thread(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        thread.stop()
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(thread.join, THREAD_JOIN)
+        if thread.is_alive():
+            log.error("the FUSE request thread did not end within %gs", THREAD_JOIN)
 
     def terminate(self) -> None:
         """Stop reading requests (from any thread); :meth:`run` returns once
@@ -190,6 +279,8 @@ class Session:
         self._stopping = True
         for scope in self._reading:
             scope.cancel()
+        if self._thread is not None:
+            self._thread.stop()
 
     def close(self) -> None:
         """Close the connection: open files of the mount then get ENOTCONN."""
@@ -231,28 +322,75 @@ class Session:
     async def _next_request(self) -> Request | None:
         """The next request that needs a worker (the others are answered on
         the way), its body safe from the next read; None once the connection
-        is gone. Only the holder of the read lock reads, into ``_read_buf``."""
+        is gone. Only the holder of the read lock reads, into ``_read_buf``,
+        or takes what the request thread gives the loop."""
         served = 0
         while not self._stopping:
-            try:
-                n = self._read(self._read_buf)
-            except _Unmounted:
-                return None
-            if not n:
-                await trio.lowlevel.wait_readable(self.fd)
-                continue
-            req = _request(self._read_buf, n)
-            if self._answer_inline(req):
-                served += 1
-                if served % YIELD_EVERY == 0:
-                    await trio.lowlevel.checkpoint()  # the other tasks' turn
-                continue
-            self._read_buf = self._hand_on(req, self._read_buf)
-            return req
+            read_here = self.mode is ReadMode.LOOP
+            if read_here:
+                try:
+                    n = self._read(self._read_buf)
+                except _Unmounted:
+                    return None
+                if not n:
+                    await self._wait_for_request()
+                    continue
+                req = _request(self._read_buf, n)
+            else:
+                received = await self._handed_recv.receive()  # with the reading
+                self._share_state(False)  # the thread parked
+                if received is None:
+                    return None
+                req = received
+            if not self._answer_inline(req):
+                if read_here:
+                    self._read_buf = self._hand_on(req, self._read_buf)
+                return req  # (the thread made the body of its own safe)
+            if self._thread is not None:
+                self._give_to_thread()  # a small request: the caller's next one is too
+            served += 1
+            if served % YIELD_EVERY == 0:
+                await trio.lowlevel.checkpoint()  # the other tasks' turn
         return None
 
+    def _give_to_thread(self) -> None:
+        assert self._thread is not None
+        self._share_state(True)
+        self.mode = ReadMode.THREAD
+        self._thread.resume()
+
+    def _share_state(self, share: bool) -> None:
+        """On the loop: let the request thread run fast paths while the loop
+        waits for I/O, or not (it parked: the loop reads)."""
+        if share and not self._sharing:
+            trio.lowlevel.add_instrument(self._holds_state)
+        elif not share and self._sharing:
+            trio.lowlevel.remove_instrument(self._holds_state)
+        self._sharing = share
+
+    async def _wait_for_request(self) -> None:
+        """Until /dev/fuse has a request; lets go of the burst hold when it
+        runs out, and gives the reading back to the request thread once no
+        request came for LOOP_IDLE (the loop reads on after a request that
+        needed a worker: a save's next WRITE is on its way)."""
+        idle_until = trio.current_time() + LOOP_IDLE if self._thread is not None else math.inf
+        while True:
+            held = self._burst.remaining() if self._burst is not None else None
+            timeout = idle_until - trio.current_time()
+            if held is not None:
+                timeout = min(timeout, held)
+            with trio.move_on_after(max(timeout, 0.0)):
+                await trio.lowlevel.wait_readable(self.fd)
+                return
+            if held is not None and self._burst is not None and self._burst.remaining() == 0:
+                self._burst.release()
+            if trio.current_time() >= idle_until:
+                self._give_to_thread()
+                return
+
     def _answer_inline(self, req: Request) -> bool:
-        """Whether ``req`` was answered without a worker: INIT, stateless, fast."""
+        """Whether ``req`` was answered without a worker, on the loop: INIT,
+        INTERRUPT, stateless, fast."""
         # The order of the tests is the order of how often they are true: this
         # runs for every request, on the caller's clock (docs/PERFORMANCE.md).
         op = req.op
@@ -261,19 +399,64 @@ class Session:
             if not self._run_fast(fast, req):
                 return False
             self.counters.fast += 1
+            self._answered(req)
         elif op in self._slow:
             return False
-        elif op == Op.INIT:
-            self._init(req)
-            return True
         elif op == Op.INTERRUPT:
             self._interrupt(req)
-            return True
         else:
-            self._stateless(req)
-        if self._answered is not None and req.pid:
-            self._answered()  # a caller waits for it: more may follow
+            self._init_or_stateless(req)
         return True
+
+    def answer_off_loop(self, req: Request) -> bool:
+        """Whether ``req`` was answered by the request thread (the caller):
+        INIT, stateless, or an off-loop fast path while the loop waits for
+        I/O. Anything else needs the loop."""
+        op = req.op
+        if op in self._slow or op in self._fast:
+            fast = self._off_loop.get(op)
+            if fast is None or not self._state_lock.acquire(blocking=False):
+                return False  # no off-loop path, or the loop is running
+            try:
+                if not self._run_fast(fast, req, count_declined=False):
+                    return False  # the loop's fast path tries again, or a worker
+                self.counters.fast += 1
+                self.counters.thread += 1
+            finally:
+                self._state_lock.release()
+            self._answered(req)
+        elif op == Op.INTERRUPT:
+            return False  # the requests in flight are the loop's
+        else:
+            self._init_or_stateless(req)
+        return True
+
+    def _init_or_stateless(self, req: Request) -> None:
+        if req.op == Op.INIT:
+            self._init(req)
+            return
+        self._stateless(req)
+        self._answered(req)
+
+    def _answered(self, req: Request) -> None:
+        if self._burst is not None and req.pid:
+            self._burst.answered()  # a caller waits for it: more may follow
+
+    def give_to_loop(self, req: Request | None) -> None:
+        """From the request thread, which parked: the loop reads from here on,
+        starting with ``req`` (None: the connection is gone)."""
+        self.mode = ReadMode.LOOP
+        assert self._token is not None
+        try:
+            self._token.run_sync_soon(self._handed, req)
+        except trio.RunFinishedError:
+            pass
+
+    def _handed(self, req: Request | None) -> None:
+        try:
+            self._handed_send.send_nowait(req)
+        except trio.WouldBlock:  # the thread gives one at a time: a bug
+            log.error("the FUSE request thread gave the loop a second request at once")
 
     async def _handle(self, req: Request) -> None:
         self.counters.handled += 1
@@ -319,7 +502,7 @@ class Session:
             # unreadable: the session ends, and with it the mount.
             raise _Unmounted from None
 
-    def _run_fast(self, fast: FastHandler, req: Request) -> bool:
+    def _run_fast(self, fast: FastHandler, req: Request, count_declined: bool = True) -> bool:
         """Whether ``fast`` answered ``req`` (replied, or failed with an errno)."""
         try:
             result = fast(req)
@@ -327,7 +510,7 @@ class Session:
             self._reply_failure(req, exc)
             return True
         if result is None:
-            self.counters.declined += 1
+            self.counters.declined += count_declined
             return False
         if req.op not in NO_REPLY:
             self._reply(req, result)
@@ -477,6 +660,87 @@ class Session:
         self._reply(req, reply)
 
 
+class RequestThread:
+    """The reader of /dev/fuse while the loop waits (``ReadMode.THREAD``):
+    answers what :meth:`Session.answer_off_loop` can, and gives the loop the
+    reading with anything else (then parks until :meth:`resume`)."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self._go = threading.Event()  # set while this thread reads
+        self._go.set()
+        self._stopping = False
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._thread = threading.Thread(target=self._main, name="ckptfs-fuse", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def resume(self) -> None:
+        """From the loop, which stopped reading: this thread reads again."""
+        self._go.set()
+
+    def stop(self) -> None:
+        """From any thread: end at the next look (now, if it waits)."""
+        self._stopping = True
+        self._go.set()
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass  # the pipe is full (it wakes anyway) or closed (it ended)
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _main(self) -> None:
+        session = self.session
+        burst = session._burst
+        buf = _prefaulted(abi.BUFFER_SIZE)
+        poller = select.poll()
+        poller.register(session.fd, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        while True:
+            if not self._go.is_set():
+                self._go.wait()
+            if self._stopping:
+                return
+            try:
+                # Read before waiting: a caller's next request is often there.
+                n = session._read(buf)
+            except _Unmounted:
+                self._go.clear()
+                session.give_to_loop(None)
+                return
+            if not n:
+                held = burst.remaining() if burst is not None else None
+                events = poller.poll(-1 if held is None else math.ceil(held * 1000))
+                if not events and burst is not None:
+                    burst.release()  # no request for the hold's time
+                elif any(fd == self._wake_r for fd, _ in events):
+                    _drain(self._wake_r)
+                continue
+            req = _request(buf, n)
+            if session.answer_off_loop(req):
+                continue
+            buf = session._hand_on(req, buf)
+            self._go.clear()
+            session.give_to_loop(req)
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 512):
+            pass
+    except OSError:
+        pass
+
+
 def _request(buf: bytearray, n: int) -> Request:
     _, op, unique, nodeid, uid, gid, pid, _, _ = IN_HEADER_UNPACK(buf)
     return Request(op, unique, nodeid, uid, gid, pid, memoryview(buf)[IN_HEADER_SIZE:n])
@@ -503,6 +767,7 @@ def describe(session: Session | None) -> dict[str, Any]:
     return {
         "requests": {
             "fast": c.fast,
+            "thread": c.thread,
             "handled": c.handled,
             "declined": c.declined,
             "stateless": c.stateless,
@@ -510,4 +775,5 @@ def describe(session: Session | None) -> dict[str, Any]:
             "signals_ignored": c.signals_ignored,
         },
         "workers": c.workers,
+        "read_by": session.mode.value,
     }

@@ -213,6 +213,12 @@ class Operations:
                 Op.BATCH_FORGET: self.batch_forget_now,
                 Op.RELEASEDIR: self.releasedir_now,
             },
+            off_loop={
+                Op.OPEN: self.open_now,
+                Op.GETATTR: self.getattr_now,
+                Op.FLUSH: self.flush_now,
+                Op.RELEASE: self.release_off_loop,
+            },
             writeback_cache=self.writeback_cache,
         )
 
@@ -427,6 +433,11 @@ class Operations:
     @fast
     def release_now(self, req: Request) -> Reply | None:
         return b"" if self.fs.release_now(abi.RELEASE_IN.unpack_from(req.body)[0]) else None
+
+    @fast
+    def release_off_loop(self, req: Request) -> Reply | None:
+        fh = abi.RELEASE_IN.unpack_from(req.body)[0]
+        return b"" if self.fs.release_now(fh, off_loop=True) else None
 
     # ----- the filesystem -------------------------------------------------------------------
     @handler

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from ckptfs.fs.cpulatency import DEVICE, CpuLatencyHold, HoldState
+from ckptfs.fs.cpulatency import DEVICE, BurstHold, CpuLatencyHold, HoldState
 
 REAL_DEVICE = Path(DEVICE)
 
@@ -102,6 +102,32 @@ def test_off_never_opens_the_device(tmp_path: Path) -> None:
         }
 
     run_clocked(main)
+
+
+def test_a_burst_hold_is_kept_by_answers_and_let_go_by_its_reader(tmp_path: Path) -> None:
+    """BurstHold has no task: the reader asks how long it may still wait
+    (remaining) and lets go when that wait runs out."""
+    device = tmp_path / "cpu_dma_latency"
+    device.write_bytes(b"")
+    now = [100.0]
+    hold = BurstHold(0.002, device=str(device), clock=lambda: now[0])
+    assert hold.state is HoldState.IDLE and hold.remaining() is None
+    hold.answered()
+    assert hold.state is HoldState.HELD and requested(device) == 0
+    now[0] += 0.0015
+    assert hold.remaining() == pytest.approx(0.0005)
+    hold.answered()  # the next answer keeps it
+    assert hold.remaining() == pytest.approx(0.002) and hold.holds == 1
+    now[0] += 0.003
+    assert hold.remaining() == 0
+    hold.release()
+    assert hold.state is HoldState.IDLE and hold.remaining() is None
+    assert hold.held_seconds == pytest.approx(0.0045)
+    hold.answered()
+    assert hold.holds == 2
+    off = BurstHold(0, device=str(device))
+    off.answered()
+    assert off.state is HoldState.OFF and off.remaining() is None
 
 
 def kernel_limit() -> int:

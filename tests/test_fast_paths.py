@@ -99,6 +99,30 @@ def test_the_last_reader_of_a_removed_file_drops_it(h: Harness) -> None:
     assert not f.ram_count and not f.pages  # dropped: its slots went back
 
 
+def test_the_request_thread_leaves_releases_that_clean_up_to_the_loop(h: Harness) -> None:
+    """Off the loop (the FUSE request thread) a release declines, before it
+    changes anything, when it would drop a removed file or forget the inode:
+    that cleanup wakes tasks on the loop. An ordinary reader's release goes
+    through."""
+    fs = h.core.fs
+    ino, fh = opened(h, "e.pt")
+    fh2, _ = h.call(fs.open, ino, os.O_RDONLY, CALLER)
+    assert inline(h, fs.release_now, fh2, True) is True  # another handle stays open
+    assert fh2 not in fs.handles
+    h.call(fs.unlink, ROOT, "e.pt")
+    f = fs.inodes[ino].file
+    before = tables(h)
+    assert inline(h, fs.release_now, fh, True) is False  # would drop f
+    assert tables(h) == before and f.ram_count
+    assert inline(h, fs.release_now, fh) is True  # on the loop it does
+    ino3, fh3 = opened(h, "g.pt")
+    inline(h, fs.forget, ino3, fs.inodes[ino3].nlookup)  # the kernel forgot the name
+    before = tables(h)
+    assert inline(h, fs.release_now, fh3, True) is False  # would forget the inode
+    assert tables(h) == before
+    assert inline(h, fs.release_now, fh3) is True
+
+
 def test_a_plain_file_is_opened_on_the_loop(h: Harness) -> None:
     """Its reads go to a descriptor of the backing file, opened in a thread."""
     (h.backing / "plain.bin").write_bytes(b"plain bytes")

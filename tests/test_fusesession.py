@@ -31,7 +31,7 @@ import trio
 from ckptfs.fs import fuseabi as abi
 from ckptfs.fs import fusemount
 from ckptfs.fs.fuseabi import Op
-from ckptfs.fs.fusesession import FuseError, Handlers, Request, Session
+from ckptfs.fs.fusesession import LOOP_IDLE, FuseError, Handlers, ReadMode, Request, Session
 from ckptfs.fs.interrupts import interruptible
 
 TIMEOUT = 20
@@ -71,6 +71,9 @@ class Tiny:
         self.hold: trio.Event | None = None  # writes wait for it
         self.hold_interruptible = False  # ... in an interruptible wait
         self.writes_in_flight = 0
+        self.off_loop = False  # offer the fast paths to the request thread too
+        self.fast_threads: list[str] = []  # the thread each fast open ran in
+        self.fast_calls: list[tuple[float, str]] = []  # (when, thread) of fast opens and releases
 
     def _attr(self, ino: int) -> TinyAttr:
         if ino == abi.ROOT_ID or ino >= DIRS:
@@ -101,6 +104,9 @@ class Tiny:
                 Op.RELEASE: self.release_now,
                 Op.GETATTR: self.getattr_now,
             },
+            off_loop=(
+                {Op.OPEN: self.open_now, Op.RELEASE: self.release_now} if self.off_loop else {}
+            ),
         )
 
     async def lookup(self, req: Request) -> bytes:
@@ -129,12 +135,15 @@ class Tiny:
         if self.decline:
             return None
         self.fast_opens += 1
+        self.fast_threads.append(threading.current_thread().name)
+        self.fast_calls.append((time.monotonic(), threading.current_thread().name))
         if flags & os.O_ACCMODE:  # a writer: its handle is 2, released by a worker
             return abi.open_out(2, abi.FOPEN_DIRECT_IO)
         return abi.open_out(1, abi.FOPEN_NOFLUSH)
 
     def release_now(self, req: Request) -> bytes | None:
         (fh, *_) = abi.RELEASE_IN.unpack_from(req.body)
+        self.fast_calls.append((time.monotonic(), threading.current_thread().name))
         return None if fh == 2 else b""
 
     async def release(self, req: Request) -> bytes:
@@ -183,13 +192,13 @@ class Tiny:
 
 @contextmanager
 def served(
-    tmp_path: Path, tiny: Tiny, *, buffers: int | None = None
+    tmp_path: Path, tiny: Tiny, *, buffers: int | None = None, request_thread: bool = True
 ) -> Iterator[tuple[Path, Session, trio.lowlevel.TrioToken]]:
     mnt = tmp_path / "mnt"
     mnt.mkdir(exist_ok=True)
     fd = fusemount.mount(str(mnt), "tinyfs", {"default_permissions"})
     extra = {} if buffers is None else {"buffers": buffers}
-    session = Session(fd, tiny.handlers(), workers=32, **extra)
+    session = Session(fd, tiny.handlers(), workers=32, request_thread=request_thread, **extra)
     ready = threading.Event()
     tokens: list[trio.lowlevel.TrioToken] = []
     ended = threading.Event()
@@ -249,6 +258,95 @@ def test_a_mount_answers_inline_and_through_workers(tmp_path: Path) -> None:
         assert err.value.errno == errno.EIO
         c = session.counters
         assert tiny.fast_opens >= 2 and c.fast >= 2 and c.stateless >= 2 and c.handled >= 4
+
+
+def test_the_request_thread_answers_small_requests_while_the_loop_waits(tmp_path: Path) -> None:
+    tiny = Tiny(b"abc")
+    tiny.off_loop = True
+    with served(tmp_path, tiny) as (mnt, session, _):
+        # The LOOKUP needs a worker: the loop reads on for a moment, and
+        # answers an open that comes meanwhile itself.
+        os.close(os.open(mnt / "f", os.O_RDONLY))
+        del tiny.fast_threads[:]
+        for _ in range(50):
+            os.close(os.open(mnt / "f", os.O_RDONLY))
+        # One that comes while the loop still finishes its turn (the state
+        # lock taken) goes to the loop, by design; the rest, the thread.
+        on_thread = tiny.fast_threads.count("ckptfs-fuse")
+        assert on_thread >= 45, tiny.fast_threads
+        assert session.counters.thread >= 90  # of the 50 opens and their 50 releases
+        assert session.mode is ReadMode.THREAD
+
+
+def test_the_request_thread_never_runs_a_fast_path_beside_a_task_step(tmp_path: Path) -> None:
+    """A task step that does not await (here 0.3 s of it) holds the state
+    lock: the request thread runs no fast path meanwhile, and an open that
+    comes meanwhile is answered once the step is over."""
+    tiny = Tiny(b"abc")
+    tiny.off_loop = True
+    with served(tmp_path, tiny) as (mnt, session, token):
+        os.close(os.open(mnt / "f", os.O_RDONLY))  # the name is cached
+        stepping = threading.Event()
+        step: list[float] = []
+
+        def hold_the_loop() -> None:
+            step.append(time.monotonic())
+            stepping.set()
+            time.sleep(0.3)  # a task step that does not await
+            step.append(time.monotonic())
+
+        trio.from_thread.run_sync(
+            lambda: trio.lowlevel.spawn_system_task(_call_sync, hold_the_loop), trio_token=token
+        )
+        assert stepping.wait(TIMEOUT)
+        start = time.monotonic()
+        os.close(os.open(mnt / "f", os.O_RDONLY))
+        assert time.monotonic() - start > 0.2  # not answered beside the step
+        beside = [c for c in tiny.fast_calls if step[0] < c[0] < step[1]]
+        assert not beside, beside
+        deadline = time.monotonic() + TIMEOUT
+        while session.mode is not ReadMode.THREAD and time.monotonic() < deadline:
+            time.sleep(LOOP_IDLE)
+        os.close(os.open(mnt / "f", os.O_RDONLY))  # the thread reads again
+        assert tiny.fast_threads[-1] == "ckptfs-fuse"
+
+
+async def _call_sync(fn: Any) -> None:
+    fn()
+
+
+def test_a_burst_of_writes_is_read_by_the_loop_then_the_thread_reads_again(
+    tmp_path: Path,
+) -> None:
+    tiny = Tiny(b"")
+    tiny.off_loop = True
+    blob = os.urandom(16 << 20)
+    with served(tmp_path, tiny) as (mnt, session, _):
+        handled = session.counters.handled
+        _pwrite(mnt / "f1", blob)
+        assert bytes(tiny.files[3]) == blob
+        # 1 MiB WRITEs: each handled by a worker that took it from the loop's
+        # own read, not handed over by the thread one at a time.
+        assert session.counters.handled - handled >= 16
+        deadline = time.monotonic() + TIMEOUT
+        while "release" not in tiny.log and time.monotonic() < deadline:
+            time.sleep(LOOP_IDLE)  # the writer's RELEASE comes after close() returned
+        time.sleep(4 * LOOP_IDLE)
+        assert session.mode is ReadMode.THREAD  # idle: the thread reads again
+        thread_before = session.counters.thread
+        for _ in range(10):
+            os.close(os.open(mnt / "f1", os.O_RDONLY))  # its name is cached: OPEN, RELEASE
+        assert session.counters.thread - thread_before >= 10
+
+
+def test_without_the_request_thread_the_loop_reads_everything(tmp_path: Path) -> None:
+    tiny = Tiny(b"abc")
+    tiny.off_loop = True
+    with served(tmp_path, tiny, request_thread=False) as (mnt, session, _):
+        for _ in range(10):
+            assert (mnt / "f").read_bytes() == b"abc"
+        assert session.counters.thread == 0 and session.counters.fast >= 20
+        assert "ckptfs-fuse" not in tiny.fast_threads
 
 
 def test_a_declined_fast_path_is_answered_by_the_loop(tmp_path: Path) -> None:

@@ -234,9 +234,11 @@ class Session:
                 if not self._stopping:
                     self._add_worker()
         finally:
+            # The thread first: until it has ended it may take the lock
+            # whenever the loop waits for I/O (here too, while it joins).
+            await self._end_thread()
             self._share_state(False)
             self._state_lock.release()
-            await self._end_thread()
             if self._burst is not None:
                 self._burst.release()  # the readers' hold: nobody reads any more
 

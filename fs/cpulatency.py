@@ -152,6 +152,11 @@ class BurstHold(_LatencyRequest):
             return None
         return max(0.0, self._last + self.hold - self._clock())
 
+    def let_go_if_over(self) -> None:
+        """After a wait bounded by :meth:`remaining`: let go if it ran out."""
+        if self.remaining() == 0:
+            self.release()
+
 
 class CpuLatencyHold(_LatencyRequest):
     """Holds a PM QoS CPU latency request from one FUSE request until ``hold``

@@ -376,16 +376,17 @@ class Session:
         request came for LOOP_IDLE (the loop reads on after a request that
         needed a worker: a save's next WRITE is on its way)."""
         idle_until = trio.current_time() + LOOP_IDLE if self._thread is not None else math.inf
+        burst = self._burst
         while True:
-            held = self._burst.remaining() if self._burst is not None else None
+            held = burst.remaining() if burst is not None else None
             timeout = idle_until - trio.current_time()
             if held is not None:
                 timeout = min(timeout, held)
             with trio.move_on_after(max(timeout, 0.0)):
                 await trio.lowlevel.wait_readable(self.fd)
                 return
-            if held is not None and self._burst is not None and self._burst.remaining() == 0:
-                self._burst.release()
+            if burst is not None:
+                burst.let_go_if_over()
             if trio.current_time() >= idle_until:
                 self._give_to_thread()
                 return
@@ -723,7 +724,7 @@ class RequestThread:
                 held = burst.remaining() if burst is not None else None
                 events = poller.poll(-1 if held is None else math.ceil(held * 1000))
                 if not events and burst is not None:
-                    burst.release()  # no request for the hold's time
+                    burst.let_go_if_over()  # no request for the hold's time
                 elif any(fd == self._wake_r for fd, _ in events):
                     _drain(self._wake_r)
                 continue

@@ -43,6 +43,10 @@ DEVICE = "/dev/cpu_dma_latency"
 # The most exit latency (µs) an idle state may have while held: none, so idle
 # CPUs only poll. Anything above 0 admits the halt state this is about.
 LATENCY_US = 0
+TAKE = struct.pack("=i", LATENCY_US)
+# Written to let go while keeping the device open: the kernel's
+# PM_QOS_DEFAULT_VALUE, which sets our request back to "no limit".
+LET_GO = struct.pack("=i", -1)
 
 
 class HoldState(enum.Enum):
@@ -53,8 +57,9 @@ class HoldState(enum.Enum):
 
 
 class _LatencyRequest:
-    """The PM QoS request itself: taken (the device open with our limit
-    written), let go (closed), and what ``ckptfs stat`` shows of it."""
+    """The PM QoS request itself: taken (our limit written to the device),
+    let go (the default written back), closed, and what ``ckptfs stat``
+    shows of it."""
 
     def __init__(self, hold: float, key: str, device: str, clock: Callable[[], float]) -> None:
         self.hold = hold
@@ -70,21 +75,20 @@ class _LatencyRequest:
         self.held_seconds = 0.0  # over the holds already let go
 
     def _take(self) -> bool:
-        """Whether the hold is now taken. Opening this device and writing to
-        it only add a kernel PM QoS request (no I/O, microseconds): done by
-        the caller, on the loop or the request thread, on purpose."""
+        """Whether the hold is now taken. The device is opened once, on the
+        first hold, and kept: later holds and releases are one write each
+        (an update of our kernel PM QoS request, no I/O, microseconds), made
+        by the caller on the loop or the request thread, on purpose; not an
+        open and a close per hold, right after a reply."""
+        fd = self._fd
         try:
-            fd = os.open(self.device, os.O_WRONLY | os.O_CLOEXEC)
+            if fd is None:
+                fd = self._fd = os.open(self.device, os.O_WRONLY | os.O_CLOEXEC)
+            os.write(fd, TAKE)
         except OSError as exc:
+            self.close()
             self._unavailable(exc)
             return False
-        try:
-            os.write(fd, struct.pack("=i", LATENCY_US))
-        except OSError as exc:
-            os.close(fd)
-            self._unavailable(exc)
-            return False
-        self._fd = fd
         self.state = HoldState.HELD
         self.holds += 1
         self._last = self._since = self._clock()
@@ -101,13 +105,26 @@ class _LatencyRequest:
         )
 
     def release(self) -> None:
-        """Let idle CPUs sleep again (closing the device drops the request)."""
+        """Let idle CPUs sleep again: our request goes back to the kernel's
+        default (no limit); the device stays open for the next hold."""
+        if self.state is not HoldState.HELD:
+            return
+        self.held_seconds += self._clock() - self._since
+        self.state = HoldState.IDLE
+        try:
+            assert self._fd is not None
+            os.write(self._fd, LET_GO)
+        except OSError as exc:  # closing drops the request just as well
+            log.warning("%s: letting go of the hold failed (%s); closing it", self.device, exc)
+            self.close()
+
+    def close(self) -> None:
+        """Let go and drop the request for good (the daemon ends; the fd is
+        close-on-exec, and the kernel drops it at exit anyway)."""
+        self.release()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        if self.state is HoldState.HELD:
-            self.held_seconds += self._clock() - self._since
-            self.state = HoldState.IDLE
 
     def describe(self) -> dict[str, Any]:
         held = self.held_seconds
@@ -224,4 +241,4 @@ class CpuLatencyHold(_LatencyRequest):
                 else:  # OFF, or UNAVAILABLE: there is nothing to let go
                     return
         finally:
-            self.release()
+            self.close()

@@ -107,6 +107,7 @@ class Daemon:
                         ops.handlers(),
                         workers=self.config.fuse_workers,
                         burst=self.burst_latency,
+                        spin=self.config.request_spin,
                     )
                     await nursery.start(control.serve, self.sock_path, self._routes(), self.owners)
                     nursery.start_soon(self._signals)
@@ -132,6 +133,7 @@ class Daemon:
                             self.session.close()
                         else:
                             os.close(fd)
+                        self.burst_latency.close()  # its readers are gone
                 nursery.cancel_scope.cancel()
         finally:
             core.close()

@@ -145,6 +145,7 @@ def test_unknown_config_key(dirs, tmp_path):
         ("chunk_size: 1\n", "chunk_size"),
         ("node: 'a b'\n", "node"),
         ("fuse: {writeback_cache: maybe}\n", "fuse.writeback_cache"),
+        ("fuse: {request_spin: 0.5}\n", "fuse.request_spin"),  # a CPU kept busy that long
     ],
 )
 def test_bad_config_value_names_the_key(dirs, tmp_path, yaml_text, key):
@@ -182,6 +183,9 @@ def test_config_precedence(tmp_path):
     cfg.write_text("cache: {size: 1GiB}\nflush: {workers: 2}\n")
     c = load_config(cfg, {"flush.workers": 7}, environ={"CKPTFS_CACHE_SIZE": "2GiB"})
     assert c.cache_size == 2 << 30 and c.flush_workers == 7
+    assert c.request_spin == 0.0001  # the default
+    spin = load_config(None, {}, environ={"CKPTFS_FUSE_REQUEST_SPIN": "0"})
+    assert spin.request_spin == 0.0
     with pytest.raises(ConfigError, match="durability"):
         load_config(None, {"durability": "buddy"}, environ={})
 

@@ -192,13 +192,20 @@ class Tiny:
 
 @contextmanager
 def served(
-    tmp_path: Path, tiny: Tiny, *, buffers: int | None = None, request_thread: bool = True
+    tmp_path: Path,
+    tiny: Tiny,
+    *,
+    buffers: int | None = None,
+    request_thread: bool = True,
+    spin: float = 0.0,
 ) -> Iterator[tuple[Path, Session, trio.lowlevel.TrioToken]]:
     mnt = tmp_path / "mnt"
     mnt.mkdir(exist_ok=True)
     fd = fusemount.mount(str(mnt), "tinyfs", {"default_permissions"})
     extra = {} if buffers is None else {"buffers": buffers}
-    session = Session(fd, tiny.handlers(), workers=32, request_thread=request_thread, **extra)
+    session = Session(
+        fd, tiny.handlers(), workers=32, request_thread=request_thread, spin=spin, **extra
+    )
     ready = threading.Event()
     tokens: list[trio.lowlevel.TrioToken] = []
     ended = threading.Event()
@@ -276,6 +283,51 @@ def test_the_request_thread_answers_small_requests_while_the_loop_waits(tmp_path
         assert on_thread >= 45, tiny.fast_threads
         assert session.counters.thread >= 90  # of the 50 opens and their 50 releases
         assert session.mode is ReadMode.THREAD
+
+
+@pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2, reason="the thread spins only when the caller has a CPU"
+)
+def test_the_request_thread_spins_for_the_callers_next_request(tmp_path: Path) -> None:
+    """After an answer of its own the thread reads again for ``spin`` before
+    it waits in poll(2): the isatty IOCTL that Python's open() sends right
+    after its OPEN is found while it spins. Without spin, never."""
+
+    def opens(mnt: Path) -> None:
+        """20 opens, each with an isatty IOCTL, by another process (one of
+        this process's threads would wait for the GIL the spinner holds)."""
+        script = (
+            "import errno, fcntl, os, sys, termios\n"
+            "for _ in range(20):\n"
+            "    fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+            "    try:\n"
+            "        fcntl.ioctl(fd, termios.TCGETS, bytes(64))\n"
+            "    except OSError as e:\n"
+            "        assert e.errno == errno.ENOTTY, e\n"
+            "    else:\n"
+            "        raise AssertionError('a tty?')\n"
+            "    os.close(fd)\n"
+        )
+        subprocess.run([sys.executable, "-c", script, str(mnt / "f")], check=True, timeout=TIMEOUT)
+
+    tiny = Tiny(b"abc")
+    tiny.off_loop = True
+    with served(tmp_path, tiny, spin=0.5) as (mnt, session, _):
+        os.close(os.open(mnt / "f", os.O_RDONLY))  # the LOOKUP: the loop reads for a while
+        time.sleep(0.6)  # the thread reads, and waits in poll(2)
+        c = session.counters
+        thread, waits = c.thread, c.thread_waits
+        opens(mnt)
+        # Each IOCTL and RELEASE follows an answer by microseconds: the
+        # thread answers them all, and waits only for the first OPEN (and,
+        # at most, once its spin after the last answer ran out).
+        assert c.thread - thread == 40, c
+        assert c.thread_waits - waits <= 2, c
+        assert c.spun >= 1, c  # (on a busy machine the next request is often there already)
+        assert session.mode is ReadMode.THREAD
+    with served(tmp_path, tiny, spin=0.0) as (mnt, session, _):
+        opens(mnt)
+        assert session.counters.thread >= 30 and session.counters.spun == 0
 
 
 def test_the_request_thread_never_runs_a_fast_path_beside_a_task_step(tmp_path: Path) -> None:

@@ -39,6 +39,7 @@ def requests_text(fuse: dict[str, Any]) -> str:
         f"requests: {r['fast']} answered inline ({r.get('thread', 0)} by the request thread), "
         f"{r['handled']} by {fuse['workers']} "
         f"worker task(s) ({r['declined']} declined by a fast path), {r['stateless']} stateless, "
+        f"{r.get('spun', 0)} found by the request thread while it spun, "
         f"{r.get('interrupts', 0)} interrupted by a stop signal "
         f"({r.get('signals_ignored', 0)} other signal(s) ignored)"
     )

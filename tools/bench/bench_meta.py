@@ -28,8 +28,8 @@ between rounds), every operation on --ops files, one call at a time:
   descriptor is then bound to a version; and, with torch installed, the whole
   ``torch.load(mmap=True, weights_only=True)`` call; the name cached in both, as
   after ``os.path.exists(path)``, and the race window inside that call (from
-  torch's own open of the path until its second open returns, timed by
-  wrapping the two calls in this process);
+  torch's own open of the path until its second open returns, and until it
+  starts, timed by wrapping the two calls in this process; see TorchLoad);
 - the same windows on the first load of a new version: each checkpoint
   rewritten (a temporary name, then os.replace, as a trainer's save does) and
   flushed, untimed, right before; nothing of it is in the reader's page cache
@@ -102,6 +102,7 @@ OPS = (
     "race window, new version",
     "torch.load(mmap=True)",
     "  race window inside it",
+    "  until its reopen starts",
 )
 
 
@@ -193,7 +194,16 @@ def time_windows(paths: list[Path]) -> tuple[list[int], list[int], list[int], li
 class TorchLoad:
     """``torch.load(path, mmap=True, weights_only=True)``, and the race window
     inside it: from torch's own ``open()`` of the path until its second open
-    (``UntypedStorage.from_file``) returns.
+    (``UntypedStorage.from_file``) returns; and until that second open starts.
+
+    The second: a replace by this node's processes tears the load only
+    before the second open's path walk, which binds it to an inode, as on
+    any filesystem; ckptfs's OPEN that follows is for that inode, and when
+    it needs no manifest check (one was made within ``fuse.open_recheck``,
+    as in this loop) it answers with that inode's version whatever happens
+    to the name meanwhile. When a check is due, a replace that the check
+    sees makes it answer ESTALE and the kernel walk the path again: then the
+    window runs on to the check, and the first measure is the one to take.
 
     The window is timed by wrapping those two calls in this process only
     (torch.serialization's ``open`` and ``UntypedStorage.from_file``): torch's
@@ -206,7 +216,7 @@ class TorchLoad:
         import torch.serialization
 
         self._torch = torch
-        self._opened = self._reopened = 0
+        self._opened = self._reopening = self._reopened = 0
         builtin_open = open
         from_file = torch.UntypedStorage.from_file
 
@@ -215,6 +225,7 @@ class TorchLoad:
             return builtin_open(*args, **kwargs)
 
         def timed_from_file(*args: Any, **kwargs: Any) -> Any:
+            self._reopening = now_ns()
             storage = from_file(*args, **kwargs)
             self._reopened = now_ns()
             return storage
@@ -225,13 +236,14 @@ class TorchLoad:
     def __call__(self, path: Path) -> object:
         return self._torch.load(path, mmap=True, weights_only=True)
 
-    def window(self, path: Path) -> int:
-        """One load; its race window in ns."""
-        self._opened = self._reopened = 0
+    def windows(self, path: Path) -> tuple[int, int]:
+        """One load; its race window in ns, until the second open returns
+        and until it starts."""
+        self._opened = self._reopening = self._reopened = 0
         self(path)
-        if not (self._opened and self._reopened > self._opened):
+        if not (self._opened and self._reopened > self._reopening > self._opened):
             raise BenchError(f"torch.load({path}, mmap=True) did not open the path twice")
-        return self._reopened - self._opened
+        return self._reopened - self._opened, self._reopening - self._opened
 
 
 def torch_loader() -> TorchLoad | None:
@@ -340,21 +352,26 @@ def one_round(target: Target, tag: str, seed: int, load: TorchLoad | None) -> Sa
         s["race window, new version"] += race
     if load is not None:
         s["torch.load(mmap=True)"] = time_each(load, target.zips, before=os.stat)
-        s["  race window inside it"] = load_windows(load, target.zips)
+        s["  race window inside it"], s["  until its reopen starts"] = load_windows(
+            load, target.zips
+        )
     return s
 
 
-def load_windows(load: TorchLoad, paths: list[Path]) -> list[int]:
-    """The race window of each torch.load(mmap=True), its name cached."""
-    out = []
+def load_windows(load: TorchLoad, paths: list[Path]) -> tuple[list[int], list[int]]:
+    """The race windows of each torch.load(mmap=True), its name cached:
+    until the second open returns, and until it starts."""
+    whole, until_reopen = [], []
     gc.disable()
     try:
         for path in paths:
             os.stat(path)
-            out.append(load.window(path))
+            a, b = load.windows(path)
+            whole.append(a)
+            until_reopen.append(b)
     finally:
         gc.enable()
-    return out
+    return whole, until_reopen
 
 
 # ----- the report -----------------------------------------------------------------------------

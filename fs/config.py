@@ -113,10 +113,12 @@ class Config:
     # both the daemon's CPU and the caller's then wake at once. 0: off.
     burst_latency_hold: float = 0.002
     # After the request thread answers a request, it reads /dev/fuse again
-    # and again for this long (seconds) before it waits in poll(2): the
-    # caller's next request usually follows within tens of microseconds, and
-    # a wake-up costs 8-20 µs on a VM. 0: wait at once.
-    request_spin: float = 0.0001
+    # and again for this long (seconds) before it waits in poll(2), unless
+    # its caller runs on its CPU: a caller's next request often follows
+    # within tens of microseconds, and a wake-up costs 8-20 µs on a VM. Off
+    # by default: it helps a tight loop of loads and slowed spaced ones
+    # (README, Benchmark). 0: wait at once.
+    request_spin: float = 0.0
     backing_timeout: float = 120.0
     run_dir: Path = Path("/run/ckptfs")
     log_file: Path | None = None

@@ -107,6 +107,32 @@ class Caller:
     gid: int
 
 
+@dataclass
+class OpenCheck:
+    """A read-only open waiting only for its manifest check: the file our
+    copy is, the name to read, and the namespace generation before."""
+
+    inode: Inode
+    f: CachedFile
+    path: str
+    generation: int
+
+
+def _plain_reader_case(inode: Inode, f: CachedFile) -> bool:
+    """Whether a read-only open of ``inode`` needs nothing but a manifest
+    check that finds ``f`` at its version: the name is still ``f``'s, it is
+    not being written here, and it is this node's own (a REMOTE or LOST
+    file's load may move it to its holders or the store)."""
+    return (
+        not inode.unlinked
+        and not f.unlinked
+        and not f.writers
+        and not f.modified
+        and f.role is FileRole.LOCAL
+        and f.state is not FileState.LOST
+    )
+
+
 def kills_privileges(mode: int) -> bool:
     """Whether a write (or chown) clears setuid/setgid, as Linux does: setuid
     always, setgid only with group-execute (without it, it marks mandatory locking)."""
@@ -557,6 +583,49 @@ class FileSystem:
             return None
         f = self._file_now(inode, writable=False)
         return None if f is None else self._opened(inode, f, caller)
+
+    def open_check_wanted(self, ino: int, flags: int) -> OpenCheck | None:
+        """A read-only open that :meth:`open_now` declined only because its
+        manifest check is due (close-to-open): what a thread may read from
+        the store, off the state, for :meth:`open_checked`. None for anything
+        else (the loop's open handles it)."""
+        if (flags & os.O_ACCMODE) != os.O_RDONLY:
+            return None
+        inode = self._inode(ino)
+        f = inode.file
+        if inode.kind != "file" or f is None or not _plain_reader_case(inode, f):
+            return None
+        return OpenCheck(inode, f, self.inodes.path(ino), self.ns_lock.generation)
+
+    def open_checked(
+        self, check: OpenCheck, entry: Entry, caller: Caller
+    ) -> tuple[int, bool] | None:
+        """The open of ``check`` with ``entry``, read from the store since:
+        opened if nothing was renamed or removed meanwhile (as _resolved
+        asks), our copy is still the one to read, and the entry names that
+        very version (the same as _file_for's bind then does). None
+        otherwise: the loop opens it the usual way, reading again."""
+        inode, f = check.inode, check.f
+        if (
+            not self.ns_lock.stable_since(check.generation)
+            or inode.file is not f
+            or not _plain_reader_case(inode, f)
+        ):
+            return None
+        m = entry.manifest
+        if (
+            m is None
+            or entry.ident != inode.ident
+            or (m.file_id, m.version) != (f.file_id, f.version)
+            or self.cache.files.get(f.file_id) is not f
+        ):
+            return None
+        self._checked(inode, entry)
+        # The cache's LOCAL file at the version the manifest names: load()
+        # returns it, only taking the manifest's attributes (mode, owner,
+        # times); nothing of trio's.
+        self.cache.load(m, check.path, entry.st.st_uid, entry.st.st_gid)
+        return self._opened(inode, f, caller)
 
     def _opened(self, inode: Inode, f: CachedFile, caller: Caller) -> tuple[int, bool]:
         """A read-only handle of ``f``; whether the kernel may keep its pages."""

@@ -19,7 +19,13 @@ Who reads (``ReadMode``, one reader at a time):
   the loop holds the state lock at every other moment (``_LoopHoldsState``),
   and the thread takes it without waiting or not at all. So a small request
   costs one wake-up of a thread that goes back to sleep as soon as it has
-  written the reply, instead of a turn of the loop before and after.
+  written the reply, instead of a turn of the loop before and after. When
+  an open's fast path declines only because its manifest check is due
+  (close-to-open), the thread makes the check itself (``CheckedPath``): it
+  lets go of the lock, reads the manifest through ``QuickCalls`` (a helper
+  thread, waited for 20 ms at most, none while the store is unhealthy) and
+  answers with the lock taken again, if the manifest still names our
+  copy's version and no rename ran meanwhile; else the loop opens it.
 - LOOP: anything else (a request without an off-loop path, a fast path that
   declined, the state lock taken) goes to the loop with the reading itself:
   the thread parks, and worker tasks read, as below, until no request came
@@ -48,12 +54,18 @@ On the loop:
   writer, and fast paths answer from our copy). With every worker busy,
   reading stops and the kernel holds the rest.
 
-After an answer of its own the request thread does not wait in poll(2) at
-once: for ``fuse.request_spin`` (100 µs) it reads again and again, because
-the caller's next request usually comes within tens of microseconds
+After an answer of its own the request thread yields the CPU
+(sched_yield): the scheduler often wakes the caller onto the waker's CPU,
+and the caller should run before the thread's bookkeeping. Then, with
+``fuse.request_spin`` (off by default), it reads again and again for that
+long rather than wait in poll(2) at once, unless the yield ran another task
+(its caller, on this CPU: spinning beside it only delays it) or there is a
+single CPU: a caller's next request often comes within tens of microseconds
 (torch.load's IOCTL follows its OPEN by about 15 µs) and a wake-up from
-poll(2) costs 8-20 µs on a VM. Not on a single CPU, where the caller could
-not run while the thread spins.
+poll(2) costs 8-20 µs on a VM. Measured, that helps a tight loop of
+torch.load(mmap=True) (20% narrower window) and hurts loads 0.1 s apart and
+a zipfile reader's reopen, hence off. (A yield at each turn of the spin
+measured worse still: every reopen 100 µs late.)
 
 After a fast or stateless answer the reader keeps a short PM QoS hold
 (``fuse.burst_latency_hold``, cpulatency.BurstHold), because a caller's next
@@ -167,13 +179,29 @@ class Handlers:
     # Fast paths the request thread may run: they touch nothing of trio's
     # (no event, no task, no channel), only the filesystem's tables.
     off_loop: dict[int, FastHandler] = field(default_factory=dict)
+    # Off-loop paths tried when the op's off-loop fast path declined.
+    off_loop_checked: dict[int, CheckedPath] = field(default_factory=dict)
     writeback_cache: bool = False
+
+
+@dataclass(frozen=True)
+class CheckedPath:
+    """An off-loop answer that needs one short backing-store read first
+    (an open whose manifest check is due): ``plan`` (state lock held) says
+    what to read, or None; ``read`` reads it with the lock let go (blocking
+    briefly at most; None: not now); ``finish`` (the lock held again)
+    answers with it, or declines (None) if the state moved meanwhile."""
+
+    plan: Callable[[Request], Any]
+    read: Callable[[Any], Any]
+    finish: Callable[[Request, Any, Any], Reply | None]
 
 
 @dataclass
 class Counters:
     fast: int = 0  # answered by a fast path, inline
     thread: int = 0  # of which by the request thread
+    checked: int = 0  # of which after a store read of the thread's own (CheckedPath)
     declined: int = 0  # had a fast path that declined: handled by a worker
     handled: int = 0  # handled by a worker (the async handler)
     stateless: int = 0  # INIT, IOCTL, unknown opcodes
@@ -206,6 +234,7 @@ class Session:
         self._fast = {int(op): fn for op, fn in handlers.fast.items()}
         self._slow = frozenset(int(op) for op in handlers.slow)
         self._off_loop = {int(op): fn for op, fn in handlers.off_loop.items()}
+        self._off_loop_checked = {int(op): p for op, p in handlers.off_loop_checked.items()}
         self._burst = burst
         # Spinning only helps when the caller can run meanwhile.
         self.spin = spin if len(os.sched_getaffinity(0)) > 1 else 0.0
@@ -415,7 +444,7 @@ class Session:
             if not self._run_fast(fast, req):
                 return False
             self.counters.fast += 1
-            self._answered(req)
+            self.answered(req)
         elif op in self._slow:
             return False
         elif op == Op.INTERRUPT:
@@ -427,24 +456,58 @@ class Session:
     def answer_off_loop(self, req: Request) -> bool:
         """Whether ``req`` was answered by the request thread (the caller):
         INIT, stateless, or an off-loop fast path while the loop waits for
-        I/O. Anything else needs the loop."""
+        I/O. Anything else needs the loop. The caller then calls
+        :meth:`answered` (after it let the request's caller run)."""
         op = req.op
         if op in self._slow or op in self._fast:
             fast = self._off_loop.get(op)
             if fast is None or not self._state_lock.acquire(blocking=False):
                 return False  # no off-loop path, or the loop is running
+            plan = None
             try:
-                if not self._run_fast(fast, req, count_declined=False):
-                    return False  # the loop's fast path tries again, or a worker
-                self.counters.fast += 1
-                self.counters.thread += 1
+                answered = self._run_fast(fast, req, count_declined=False)
+                if not answered:
+                    plan = self._plan_checked(req)
             finally:
                 self._state_lock.release()
-            self._answered(req)
+            if not answered and (plan is None or not self._answer_checked(req, *plan)):
+                return False  # the loop's fast path tries again, or a worker
+            self.counters.fast += 1
+            self.counters.thread += 1
         elif op == Op.INTERRUPT:
             return False  # the requests in flight are the loop's
+        elif op == Op.INIT:
+            self._init(req)
         else:
-            self._init_or_stateless(req)
+            self._stateless(req)
+        return True
+
+    def _plan_checked(self, req: Request) -> tuple[CheckedPath, Any] | None:
+        """With the state lock: the checked path's plan for ``req``, if any."""
+        checked = self._off_loop_checked.get(req.op)
+        if checked is None:
+            return None
+        try:
+            plan = checked.plan(req)
+        except Exception:  # the loop's handler meets it again, and reports it
+            log.exception("%s of inode %d: planning its check failed", _name(req.op), req.nodeid)
+            return None
+        return None if plan is None else (checked, plan)
+
+    def _answer_checked(self, req: Request, checked: CheckedPath, plan: Any) -> bool:
+        """Read for ``plan`` with the state lock let go, then answer with the
+        lock held (taken without waiting, as every off-loop path does)."""
+        result = checked.read(plan)
+        if result is None or not self._state_lock.acquire(blocking=False):
+            return False
+        try:
+            if not self._run_fast(
+                lambda r: checked.finish(r, plan, result), req, count_declined=False
+            ):
+                return False
+        finally:
+            self._state_lock.release()
+        self.counters.checked += 1
         return True
 
     def _init_or_stateless(self, req: Request) -> None:
@@ -452,9 +515,10 @@ class Session:
             self._init(req)
             return
         self._stateless(req)
-        self._answered(req)
+        self.answered(req)
 
-    def _answered(self, req: Request) -> None:
+    def answered(self, req: Request) -> None:
+        """After an inline answer: keep idle CPUs quick to wake for a while."""
         if self._burst is not None and req.pid:
             self._burst.answered()  # a caller waits for it: more may follow
 
@@ -728,7 +792,6 @@ class RequestThread:
         while True:
             if not self._go.is_set():
                 self._go.wait()
-                spin_until = _now() + spin  # the loop just answered a request inline
             if self._stopping:
                 return
             try:
@@ -756,7 +819,14 @@ class RequestThread:
                 spinning = False
             req = _request(buf, n)
             if session.answer_off_loop(req):
-                if spin:
+                # The caller was woken by the reply, often onto this CPU (a
+                # waker's CPU is where the scheduler tends to put it): let it
+                # run before the hold's bookkeeping, and spin only if it did
+                # not (then it runs elsewhere, and its next request is read
+                # without a wake-up).
+                shared = _yield_ran_another()
+                session.answered(req)
+                if spin and not shared:
                     spin_until = _now() + spin
                 continue
             buf = session._hand_on(req, buf)
@@ -765,6 +835,16 @@ class RequestThread:
 
 
 _now = time.monotonic
+_perf = time.perf_counter
+YIELDED_TO_ANOTHER = 5e-6  # a sched_yield that took longer ran another task
+
+
+def _yield_ran_another() -> bool:
+    """Yield the CPU; whether another task ran meanwhile (it was runnable
+    here: the caller, or anyone who then wants this CPU more than a spin)."""
+    start = _perf()
+    os.sched_yield()
+    return _perf() - start > YIELDED_TO_ANOTHER
 
 
 def _drain(fd: int) -> None:
@@ -802,6 +882,7 @@ def describe(session: Session | None) -> dict[str, Any]:
         "requests": {
             "fast": c.fast,
             "thread": c.thread,
+            "checked": c.checked,
             "handled": c.handled,
             "declined": c.declined,
             "stateless": c.stateless,

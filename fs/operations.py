@@ -20,10 +20,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from . import fuseabi as abi
+from .backing import Entry
 from .cpulatency import CpuLatencyHold
-from .filesystem import Attr, Caller, FileSystem, SetAttr
+from .filesystem import Attr, Caller, FileSystem, OpenCheck, SetAttr
 from .fuseabi import Op
-from .fusesession import FuseError, Handlers, Reply, Request
+from .fusesession import CheckedPath, FuseError, Handlers, Reply, Request
 
 log = logging.getLogger("ckptfs.fuse")
 T = TypeVar("T")
@@ -219,6 +220,9 @@ class Operations:
                 Op.FLUSH: self.flush_now,
                 Op.RELEASE: self.release_off_loop,
             },
+            off_loop_checked={
+                Op.OPEN: CheckedPath(self.open_check_plan, self.open_check_read, self.open_checked),
+            },
             writeback_cache=self.writeback_cache,
         )
 
@@ -392,6 +396,24 @@ class Operations:
     def open_now(self, req: Request) -> Reply | None:
         flags, _ = abi.OPEN_IN.unpack_from(req.body)
         opened = self.fs.open_now(req.nodeid, flags, _caller(req))
+        if opened is None:
+            return None
+        fh, keep = opened
+        return abi.open_out(fh, self._open_flags(flags, keep, _writes(flags)))
+
+    def open_check_plan(self, req: Request) -> OpenCheck | None:
+        flags, _ = abi.OPEN_IN.unpack_from(req.body)
+        return self.fs.open_check_wanted(req.nodeid, flags)
+
+    def open_check_read(self, check: OpenCheck) -> Entry | None:
+        return self.fs.backing.entry_quick(check.path)
+
+    def open_checked(self, req: Request, check: OpenCheck, found: Entry) -> Reply | None:
+        flags, _ = abi.OPEN_IN.unpack_from(req.body)
+        try:
+            opened = self.fs.open_checked(check, found, _caller(req))
+        except Exception as exc:
+            raise _failed("open", self.fs, req, exc) from None
         if opened is None:
             return None
         fh, keep = opened

@@ -183,9 +183,9 @@ def test_config_precedence(tmp_path):
     cfg.write_text("cache: {size: 1GiB}\nflush: {workers: 2}\n")
     c = load_config(cfg, {"flush.workers": 7}, environ={"CKPTFS_CACHE_SIZE": "2GiB"})
     assert c.cache_size == 2 << 30 and c.flush_workers == 7
-    assert c.request_spin == 0.0001  # the default
-    spin = load_config(None, {}, environ={"CKPTFS_FUSE_REQUEST_SPIN": "0"})
-    assert spin.request_spin == 0.0
+    assert c.request_spin == 0.0  # the default: off
+    spin = load_config(None, {}, environ={"CKPTFS_FUSE_REQUEST_SPIN": "0.0001"})
+    assert spin.request_spin == 0.0001
     with pytest.raises(ConfigError, match="durability"):
         load_config(None, {"durability": "buddy"}, environ={})
 

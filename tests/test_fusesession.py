@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import trio
 from ckptfs.fs import fuseabi as abi
-from ckptfs.fs import fusemount
+from ckptfs.fs import fusemount, fusesession
 from ckptfs.fs.fuseabi import Op
 from ckptfs.fs.fusesession import LOOP_IDLE, FuseError, Handlers, ReadMode, Request, Session
 from ckptfs.fs.interrupts import interruptible
@@ -290,12 +290,13 @@ def test_the_request_thread_answers_small_requests_while_the_loop_waits(tmp_path
 )
 def test_the_request_thread_spins_for_the_callers_next_request(tmp_path: Path) -> None:
     """After an answer of its own the thread reads again for ``spin`` before
-    it waits in poll(2): the isatty IOCTL that Python's open() sends right
-    after its OPEN is found while it spins. Without spin, never."""
+    it waits in poll(2), when its caller runs on another CPU: the isatty
+    IOCTL that Python's open() sends right after its OPEN is found while it
+    spins. Without spin, never. (The thread on CPU 0, the caller on 1.)"""
 
     def opens(mnt: Path) -> None:
-        """20 opens, each with an isatty IOCTL, by another process (one of
-        this process's threads would wait for the GIL the spinner holds)."""
+        """20 opens, each with an isatty IOCTL, by another process on CPU 1
+        (one of this process's threads would wait for the GIL the spinner holds)."""
         script = (
             "import errno, fcntl, os, sys, termios\n"
             "for _ in range(20):\n"
@@ -308,11 +309,29 @@ def test_the_request_thread_spins_for_the_callers_next_request(tmp_path: Path) -
             "        raise AssertionError('a tty?')\n"
             "    os.close(fd)\n"
         )
-        subprocess.run([sys.executable, "-c", script, str(mnt / "f")], check=True, timeout=TIMEOUT)
+        subprocess.run(
+            [sys.executable, "-c", script, str(mnt / "f")],
+            check=True,
+            timeout=TIMEOUT,
+            preexec_fn=lambda: os.sched_setaffinity(0, {cpus[1]}),
+        )
 
+    cpus = sorted(os.sched_getaffinity(0))
     tiny = Tiny(b"abc")
     tiny.off_loop = True
+
+    def pin_the_reader() -> None:
+        deadline = time.monotonic() + TIMEOUT
+        while not (readers := [t for t in threading.enumerate() if t.name == "ckptfs-fuse"]):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        while readers[0].native_id is None:  # started, not yet running
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        os.sched_setaffinity(readers[0].native_id, {cpus[0]})
+
     with served(tmp_path, tiny, spin=0.5) as (mnt, session, _):
+        pin_the_reader()
         os.close(os.open(mnt / "f", os.O_RDONLY))  # the LOOKUP: the loop reads for a while
         time.sleep(0.6)  # the thread reads, and waits in poll(2)
         c = session.counters
@@ -328,6 +347,14 @@ def test_the_request_thread_spins_for_the_callers_next_request(tmp_path: Path) -
     with served(tmp_path, tiny, spin=0.0) as (mnt, session, _):
         opens(mnt)
         assert session.counters.thread >= 30 and session.counters.spun == 0
+    # When the yield after a reply ran another task (the caller, on the
+    # thread's CPU), the thread waits in poll(2) rather than spin beside it.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fusesession, "_yield_ran_another", lambda: True)
+        with served(tmp_path, tiny, spin=0.5) as (mnt, session, _):
+            pin_the_reader()
+            opens(mnt)
+            assert session.counters.thread >= 30 and session.counters.spun == 0
 
 
 def test_the_request_thread_never_runs_a_fast_path_beside_a_task_step(tmp_path: Path) -> None:

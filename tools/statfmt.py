@@ -36,7 +36,8 @@ def requests_text(fuse: dict[str, Any]) -> str:
     """How the FUSE requests were answered (fs/fusesession.py)."""
     r = fuse["requests"]
     return (
-        f"requests: {r['fast']} answered inline ({r.get('thread', 0)} by the request thread), "
+        f"requests: {r['fast']} answered inline ({r.get('thread', 0)} by the request thread, "
+        f"{r.get('checked', 0)} of them opens it checked itself), "
         f"{r['handled']} by {fuse['workers']} "
         f"worker task(s) ({r['declined']} declined by a fast path), {r['stateless']} stateless, "
         f"{r.get('spun', 0)} found by the request thread while it spun, "

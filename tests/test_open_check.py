@@ -1,0 +1,176 @@
+"""A read-only open whose manifest check is due (close-to-open, older than
+``fuse.open_recheck``), checked by the FUSE request thread itself: it reads
+the manifest in a helper thread with the state lock let go
+(``Backing.entry_quick``, ``QuickCalls``), and opens only if the manifest
+still names our copy's version and nothing was renamed or removed meanwhile
+(``FileSystem.open_check_wanted`` / ``open_checked``); otherwise the loop
+opens it the usual way. Driven without FUSE as the session drives it, then
+through real mounts sharing one backing directory.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import pytest
+from ckptfs.fs.blocking import QuickCalls
+from ckptfs.fs.inodes import ROOT
+from lifecycle_harness import Harness
+from test_fast_paths import inline, tables
+from test_getattr import CALLER, close, opened, rewrite_elsewhere
+
+
+def test_a_due_check_is_made_off_the_loop_and_the_open_answered(
+    h: Harness, monkeypatch: Any
+) -> None:
+    fs = h.core.fs
+    ino, fh = opened(h, "k.pt")
+    close(h, fh)
+    monkeypatch.setattr(fs.config, "open_recheck", 0.0)
+    assert inline(h, fs.open_now, ino, os.O_RDONLY, CALLER) is None  # the check is due
+    check = inline(h, fs.open_check_wanted, ino, os.O_RDONLY)
+    assert check is not None and check.path == "k.pt" and check.f is fs.inodes[ino].file
+    before = tables(h)
+    entry = fs.backing.entry_quick(check.path)  # off the loop, as the request thread does
+    assert entry is not None and entry.manifest is not None
+    assert tables(h) == before  # reading changed nothing
+    got = inline(h, fs.open_checked, check, entry, CALLER)
+    assert got is not None
+    fh2, keep = got
+    assert keep  # the kernel's pages are of this very version
+    assert fs.handles[fh2].file is check.f and not fs.handles[fh2].writable
+    assert fs.inodes[ino].checked_at == entry.read_at  # recorded, as the loop's check does
+    close(h, fh2)
+    # Nothing else is planned: writable opens, directories.
+    assert inline(h, fs.open_check_wanted, ino, os.O_WRONLY) is None
+    assert inline(h, fs.open_check_wanted, ROOT, os.O_RDONLY) is None
+
+
+def test_a_checked_open_declines_whatever_changed(h: Harness, monkeypatch: Any) -> None:
+    """Each decline leaves the tables as they were; the loop's open then
+    reads the manifest again and does what it does (ESTALE, a reload)."""
+    fs = h.core.fs
+    monkeypatch.setattr(fs.config, "open_recheck", 0.0)
+
+    def declined(name: str, meanwhile: Any) -> None:
+        ino, fh = opened(h, name)
+        close(h, fh)
+        check = inline(h, fs.open_check_wanted, ino, os.O_RDONLY)
+        assert check is not None
+        entry = meanwhile(check) or fs.backing.entry_quick(check.path)
+        assert entry is not None
+        before = tables(h)
+        assert inline(h, fs.open_checked, check, entry, CALLER) is None
+        assert tables(h) == before
+
+    # Another node's new version at the name.
+    declined("m.pt", lambda check: rewrite_elsewhere(h, "m.pt", os.urandom(100)))
+
+    def renamed(check: Any) -> Any:
+        entry = fs.backing.entry_quick(check.path)  # read before the rename...
+        h.call(fs.rename, ROOT, "n.pt", ROOT, "o.pt", 0)  # ...and answered after it
+        return entry
+
+    declined("n.pt", renamed)
+
+    def rewritten_here(check: Any) -> None:
+        fh_w, _ = h.call(fs.open, check.inode.ino, os.O_WRONLY | os.O_TRUNC, CALLER)
+        h.call(fs.write, fh_w, 0, b"new")  # our copy is now the one to read
+
+    declined("p.pt", rewritten_here)
+
+
+def test_no_quick_read_while_the_store_is_not_healthy(h: Harness) -> None:
+    fs = h.core.fs
+    ino, fh = opened(h, "q.pt")
+    close(h, fh)
+    fs.backing.io.health = "slow"
+    try:
+        assert fs.backing.entry_quick("q.pt") is None
+    finally:
+        fs.backing.io.health = "normal"
+    assert fs.backing.entry_quick("q.pt") is not None
+
+
+def test_quick_calls_wait_a_bounded_time_and_never_pile_up() -> None:
+    quick = QuickCalls(wait=0.05)
+    assert quick.run(lambda x: x + 1, 41) == 42
+    assert quick.run(lambda: 1 / 0) is None  # failed: the caller's fallback reports it
+    release = threading.Event()
+    start = time.monotonic()
+    assert quick.run(release.wait, 30) is None  # hung: given up after the wait
+    assert time.monotonic() - start < 5
+    assert quick.late == 1
+    start = time.monotonic()
+    assert quick.run(lambda: 7) is None  # the hung call still runs: none starts
+    assert time.monotonic() - start < 0.04  # and nothing waited for it
+    release.set()
+    deadline = time.monotonic() + 10
+    while quick.run(lambda: 7) != 7:  # once it ended, calls run again
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    quick.close()
+    assert quick.run(lambda: 7) is None
+
+
+def _opens(path: str, n: int) -> bytes:
+    """``n`` opens of ``path`` (each read whole) by another process; the last bytes."""
+    script = (
+        "import sys\n"
+        "for _ in range(int(sys.argv[2])):\n"
+        "    with open(sys.argv[1], 'rb') as f:\n"
+        "        data = f.read()\n"
+        "sys.stdout.buffer.write(data)\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", script, path, str(n)], check=True, capture_output=True, timeout=60
+    ).stdout
+
+
+def test_opens_through_a_mount_are_checked_by_the_request_thread(mounts: Any) -> None:
+    """Two unpeered mounts of one backing directory, every open re-reading
+    the manifest (fuse.open_recheck: 0): a reader's opens are checked by the
+    request thread, and a new version written through the other mount is
+    what the next open reads, whole."""
+    env = {"CKPTFS_FUSE_OPEN_RECHECK": "0"}
+    a, b = mounts("a"), mounts("b")
+    a.mount(env=env)
+    b.mount(env=env)
+    first, second = os.urandom(3 * 4096 + 11), os.urandom(2 * 4096 + 5)
+    (a.mnt / "ckpt.pt").write_bytes(first)
+    a.cli("flush", str(a.mnt), "--wait")
+    assert _opens(str(b.mnt / "ckpt.pt"), 1) == first  # b's lookup and first open
+    before = b.stat()["fuse"]["requests"]["checked"]
+    assert _opens(str(b.mnt / "ckpt.pt"), 20) == first
+    checked = b.stat()["fuse"]["requests"]["checked"] - before
+    assert checked >= 15, checked  # (one that meets the loop mid-turn is the loop's)
+    (a.mnt / "ckpt.pt.tmp").write_bytes(second)
+    os.replace(a.mnt / "ckpt.pt.tmp", a.mnt / "ckpt.pt")
+    a.cli("flush", str(a.mnt), "--wait")
+    assert _opens(str(b.mnt / "ckpt.pt"), 1) == second
+    assert _opens(str(b.mnt / "ckpt.pt"), 5) == second
+    assert "opens it checked itself" in b.cli("stat", str(b.mnt)).stdout
+    b.umount()
+    a.umount()
+
+
+def test_a_torch_checkpoint_loads_whole_with_every_open_checked(mounts: Any) -> None:
+    torch = pytest.importorskip("torch")
+    m = mounts("t")
+    m.mount(env={"CKPTFS_FUSE_OPEN_RECHECK": "0"})
+    gen = torch.Generator().manual_seed(5)
+    sd = {f"w{i}": torch.randn(4096 + i, generator=gen) for i in range(8)}
+    torch.save(sd, m.mnt / "model.pt")
+    m.cli("flush", str(m.mnt), "--wait")
+    for _ in range(3):
+        got = torch.load(m.mnt / "model.pt", mmap=True, weights_only=True)
+        assert got.keys() == sd.keys()
+        assert all(torch.equal(got[k], sd[k]) for k in sd)
+        del got
+    assert m.stat()["fuse"]["requests"]["checked"] >= 3
+    m.umount()

@@ -108,12 +108,12 @@ class Caller:
 
 
 @dataclass
-class OpenCheck:
-    """A read-only open waiting only for its manifest check: the file our
-    copy is, the name to read, and the namespace generation before."""
+class CheckPlan:
+    """A read-only open or a lookup waiting only for its manifest check: the
+    file our copy is, the name to read, and the namespace generation before."""
 
     inode: Inode
-    f: CachedFile
+    f: CachedFile | None
     path: str
     generation: int
 
@@ -290,6 +290,37 @@ class FileSystem:
             return self._attr(inode, inode.dir_attrs)
         return None
 
+    def getattr_check_wanted(self, ino: int) -> CheckPlan | None:
+        """A getattr that :meth:`getattr_now` declined: the store read that
+        :meth:`getattr` would make, for :meth:`getattr_checked`."""
+        inode = self._inode(ino)
+        return CheckPlan(inode, inode.file, self.inodes.path(ino), self.ns_lock.generation)
+
+    def getattr_checked(self, check: CheckPlan, entry: Entry) -> Attr | None:
+        """What :meth:`getattr` answers with ``entry``, read since the plan,
+        if nothing was renamed or removed meanwhile and the inode still has
+        the same file; else None (the loop asks again)."""
+        inode = check.inode
+        if (
+            not self.ns_lock.stable_since(check.generation)
+            or inode.unlinked
+            or inode.file is not check.f
+        ):
+            return None
+        return self._getattr_with(inode, entry, entry.read_at)
+
+    def _getattr_with(self, inode: Inode, entry: Entry, read_at: float) -> Attr:
+        same = (
+            entry.ident == inode.ident
+            or inode.ino == ROOT
+            or (inode.file is not None and _adopted(inode.file, entry))
+        )
+        if same:
+            self._checked(inode, entry)
+        if inode.kind == "dir" and same:
+            inode.dir_attrs, inode.dir_attrs_at = entry, read_at
+        return self._attr(inode, entry if same else None)
+
     async def getattr(self, ino: int) -> Attr:
         attr = self.getattr_now(ino)
         if attr is not None:
@@ -302,16 +333,7 @@ class FileSystem:
             if inode.file is not None:
                 return self._attr(inode, None)
             raise FsError(errno.ENOENT) from None
-        same = (
-            entry.ident == inode.ident
-            or ino == ROOT
-            or (inode.file is not None and _adopted(inode.file, entry))
-        )
-        if same:
-            self._checked(inode, entry)
-        if inode.kind == "dir" and same:
-            inode.dir_attrs, inode.dir_attrs_at = entry, now
-        return self._attr(inode, entry if same else None)
+        return self._getattr_with(inode, entry, now)
 
     def _inode(self, ino: int) -> Inode:
         inode = self.inodes.get(ino)
@@ -584,7 +606,49 @@ class FileSystem:
         f = self._file_now(inode, writable=False)
         return None if f is None else self._opened(inode, f, caller)
 
-    def open_check_wanted(self, ino: int, flags: int) -> OpenCheck | None:
+    def lookup_check_wanted(self, parent: int, name: str) -> CheckPlan | None:
+        """A lookup of a name whose inode we hold with a file that only a
+        manifest check may have changed (as for :meth:`open_check_wanted`):
+        what a thread may read for :meth:`lookup_checked`. None for anything
+        else (a new name, a directory, a file being written here)."""
+        inode = self.inodes.child(parent, name)
+        if inode is None or inode.kind != "file":
+            return None
+        f = inode.file
+        if f is None or not _plain_reader_case(inode, f):
+            return None
+        return CheckPlan(inode, f, self.inodes.child_path(parent, name), self.ns_lock.generation)
+
+    def lookup_checked(self, parent: int, name: str, check: CheckPlan, entry: Entry) -> Attr | None:
+        """The lookup of ``check`` with ``entry``, read from the store since:
+        what lookup() answers when the entry is the same file at the same
+        version at the same inode (bound as lookup's bind does, nlookup
+        counted), if nothing was renamed or removed meanwhile; else None, and
+        the loop looks it up the usual way."""
+        inode = check.inode
+        if self.inodes.child(parent, name) is not inode or not self._still_checked(check, entry):
+            return None
+        bound = self._bind(parent, name, entry)  # the same inode: same ident and kind
+        bound.nlookup += 1
+        return self._attr(bound, entry)
+
+    def _still_checked(self, check: CheckPlan, entry: Entry) -> bool:
+        """Whether ``entry`` shows ``check``'s file at the version we hold,
+        with nothing renamed or removed, nor written here, since the plan."""
+        inode, f = check.inode, check.f
+        m = entry.manifest
+        return (
+            self.ns_lock.stable_since(check.generation)
+            and inode.file is f
+            and _plain_reader_case(inode, f)
+            and m is not None
+            and entry.kind == inode.kind
+            and entry.ident == inode.ident
+            and (m.file_id, m.version) == (f.file_id, f.version)
+            and self.cache.files.get(f.file_id) is f
+        )
+
+    def open_check_wanted(self, ino: int, flags: int) -> CheckPlan | None:
         """A read-only open that :meth:`open_now` declined only because its
         manifest check is due (close-to-open): what a thread may read from
         the store, off the state, for :meth:`open_checked`. None for anything
@@ -595,31 +659,20 @@ class FileSystem:
         f = inode.file
         if inode.kind != "file" or f is None or not _plain_reader_case(inode, f):
             return None
-        return OpenCheck(inode, f, self.inodes.path(ino), self.ns_lock.generation)
+        return CheckPlan(inode, f, self.inodes.path(ino), self.ns_lock.generation)
 
     def open_checked(
-        self, check: OpenCheck, entry: Entry, caller: Caller
+        self, check: CheckPlan, entry: Entry, caller: Caller
     ) -> tuple[int, bool] | None:
         """The open of ``check`` with ``entry``, read from the store since:
         opened if nothing was renamed or removed meanwhile (as _resolved
         asks), our copy is still the one to read, and the entry names that
         very version (the same as _file_for's bind then does). None
         otherwise: the loop opens it the usual way, reading again."""
-        inode, f = check.inode, check.f
-        if (
-            not self.ns_lock.stable_since(check.generation)
-            or inode.file is not f
-            or not _plain_reader_case(inode, f)
-        ):
+        if not self._still_checked(check, entry):
             return None
-        m = entry.manifest
-        if (
-            m is None
-            or entry.ident != inode.ident
-            or (m.file_id, m.version) != (f.file_id, f.version)
-            or self.cache.files.get(f.file_id) is not f
-        ):
-            return None
+        inode, f, m = check.inode, check.f, entry.manifest
+        assert m is not None
         self._checked(inode, entry)
         # The cache's LOCAL file at the version the manifest names: load()
         # returns it, only taking the manifest's attributes (mode, owner,

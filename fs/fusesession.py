@@ -19,13 +19,14 @@ Who reads (``ReadMode``, one reader at a time):
   the loop holds the state lock at every other moment (``_LoopHoldsState``),
   and the thread takes it without waiting or not at all. So a small request
   costs one wake-up of a thread that goes back to sleep as soon as it has
-  written the reply, instead of a turn of the loop before and after. When
-  an open's fast path declines only because its manifest check is due
-  (close-to-open), the thread makes the check itself (``CheckedPath``): it
-  lets go of the lock, reads the manifest through ``QuickCalls`` (a helper
-  thread, waited for 20 ms at most, none while the store is unhealthy) and
-  answers with the lock taken again, if the manifest still names our
-  copy's version and no rename ran meanwhile; else the loop opens it.
+  written the reply, instead of a turn of the loop before and after. An
+  open whose manifest check is due (close-to-open), a lookup of a name whose
+  file we hold, and a stat that needs the store (``Handlers.off_loop_checked``,
+  ``CheckedPath``): the thread lets go of the lock, reads the entry through
+  ``QuickCalls`` (a helper thread, waited for 20 ms at most, none while the
+  store is unhealthy) and answers with the lock taken again, if no rename
+  ran meanwhile and (open, lookup) the manifest still names our copy's
+  version; else the loop answers it.
 - LOOP: anything else (a request without an off-loop path, a fast path that
   declined, the state lock taken) goes to the loop with the reading itself:
   the thread parks, and worker tasks read, as below, until no request came
@@ -235,6 +236,7 @@ class Session:
         self._slow = frozenset(int(op) for op in handlers.slow)
         self._off_loop = {int(op): fn for op, fn in handlers.off_loop.items()}
         self._off_loop_checked = {int(op): p for op, p in handlers.off_loop_checked.items()}
+        self._thread_ops = frozenset(self._off_loop) | frozenset(self._off_loop_checked)
         self._burst = burst
         # Spinning only helps when the caller can run meanwhile.
         self.spin = spin if len(os.sched_getaffinity(0)) > 1 else 0.0
@@ -389,6 +391,11 @@ class Session:
             if not self._answer_inline(req):
                 if read_here:
                     self._read_buf = self._hand_on(req, self._read_buf)
+                if self._thread is not None and req.op in self._thread_ops:
+                    # A stat, lookup or open that needed a worker: the
+                    # caller's next request is likely one the thread answers
+                    # (a save's WRITEs have no such path: the loop reads on).
+                    self._give_to_thread()
                 return req  # (the thread made the body of its own safe)
             if self._thread is not None:
                 self._give_to_thread()  # a small request: the caller's next one is too
@@ -461,11 +468,13 @@ class Session:
         op = req.op
         if op in self._slow or op in self._fast:
             fast = self._off_loop.get(op)
-            if fast is None or not self._state_lock.acquire(blocking=False):
+            if (fast is None and op not in self._off_loop_checked) or not self._state_lock.acquire(
+                blocking=False
+            ):
                 return False  # no off-loop path, or the loop is running
             plan = None
             try:
-                answered = self._run_fast(fast, req, count_declined=False)
+                answered = fast is not None and self._run_fast(fast, req, count_declined=False)
                 if not answered:
                     plan = self._plan_checked(req)
             finally:

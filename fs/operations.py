@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from . import fuseabi as abi
 from .backing import Entry
 from .cpulatency import CpuLatencyHold
-from .filesystem import Attr, Caller, FileSystem, OpenCheck, SetAttr
+from .filesystem import Attr, Caller, CheckPlan, FileSystem, SetAttr
 from .fuseabi import Op
 from .fusesession import CheckedPath, FuseError, Handlers, Reply, Request
 
@@ -221,7 +221,13 @@ class Operations:
                 Op.RELEASE: self.release_off_loop,
             },
             off_loop_checked={
-                Op.OPEN: CheckedPath(self.open_check_plan, self.open_check_read, self.open_checked),
+                Op.OPEN: CheckedPath(self.open_check_plan, self.check_read, self.open_checked),
+                Op.LOOKUP: CheckedPath(
+                    self.lookup_check_plan, self.check_read, self.lookup_checked
+                ),
+                Op.GETATTR: CheckedPath(
+                    self.getattr_check_plan, self.check_read, self.getattr_checked
+                ),
             },
             writeback_cache=self.writeback_cache,
         )
@@ -242,9 +248,29 @@ class Operations:
     async def lookup(self, req: Request) -> Reply:
         return entry(await self.fs.lookup(req.nodeid, _one_name(req)))
 
+    def lookup_check_plan(self, req: Request) -> CheckPlan | None:
+        return self.fs.lookup_check_wanted(req.nodeid, _one_name(req))
+
+    def lookup_checked(self, req: Request, check: CheckPlan, found: Entry) -> Reply | None:
+        try:
+            attr = self.fs.lookup_checked(req.nodeid, _one_name(req), check, found)
+        except Exception as exc:
+            raise _failed("lookup", self.fs, req, exc) from None
+        return None if attr is None else entry(attr)
+
     @handler
     async def getattr(self, req: Request) -> Reply:
         return attributes(await self.fs.getattr(req.nodeid))
+
+    def getattr_check_plan(self, req: Request) -> CheckPlan | None:
+        return self.fs.getattr_check_wanted(req.nodeid)
+
+    def getattr_checked(self, req: Request, check: CheckPlan, found: Entry) -> Reply | None:
+        try:
+            attr = self.fs.getattr_checked(check, found)
+        except Exception as exc:
+            raise _failed("getattr", self.fs, req, exc) from None
+        return None if attr is None else attributes(attr)
 
     @fast
     def getattr_now(self, req: Request) -> Reply | None:
@@ -401,14 +427,14 @@ class Operations:
         fh, keep = opened
         return abi.open_out(fh, self._open_flags(flags, keep, _writes(flags)))
 
-    def open_check_plan(self, req: Request) -> OpenCheck | None:
+    def open_check_plan(self, req: Request) -> CheckPlan | None:
         flags, _ = abi.OPEN_IN.unpack_from(req.body)
         return self.fs.open_check_wanted(req.nodeid, flags)
 
-    def open_check_read(self, check: OpenCheck) -> Entry | None:
+    def check_read(self, check: CheckPlan) -> Entry | None:
         return self.fs.backing.entry_quick(check.path)
 
-    def open_checked(self, req: Request, check: OpenCheck, found: Entry) -> Reply | None:
+    def open_checked(self, req: Request, check: CheckPlan, found: Entry) -> Reply | None:
         flags, _ = abi.OPEN_IN.unpack_from(req.body)
         try:
             opened = self.fs.open_checked(check, found, _caller(req))

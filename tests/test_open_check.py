@@ -1,11 +1,12 @@
 """A read-only open whose manifest check is due (close-to-open, older than
-``fuse.open_recheck``), checked by the FUSE request thread itself: it reads
-the manifest in a helper thread with the state lock let go
-(``Backing.entry_quick``, ``QuickCalls``), and opens only if the manifest
-still names our copy's version and nothing was renamed or removed meanwhile
-(``FileSystem.open_check_wanted`` / ``open_checked``); otherwise the loop
-opens it the usual way. Driven without FUSE as the session drives it, then
-through real mounts sharing one backing directory.
+``fuse.open_recheck``), and a lookup of a name whose inode we hold, checked
+by the FUSE request thread itself: it reads the manifest in a helper thread
+with the state lock let go (``Backing.entry_quick``, ``QuickCalls``), and
+answers only if the manifest still names our copy's version and nothing was
+renamed or removed meanwhile (``FileSystem.open_check_wanted`` /
+``open_checked``, ``lookup_check_wanted`` / ``lookup_checked``); otherwise
+the loop answers the usual way. Driven without FUSE as the session drives
+it, then through real mounts sharing one backing directory.
 """
 
 from __future__ import annotations
@@ -85,6 +86,87 @@ def test_a_checked_open_declines_whatever_changed(h: Harness, monkeypatch: Any) 
     declined("p.pt", rewritten_here)
 
 
+def test_a_lookup_of_a_held_name_is_checked_off_the_loop(h: Harness) -> None:
+    """The kernel looks a cached name up again once its entry timeout (1 s)
+    ran out: answered as the loop's lookup would, the lookup counted."""
+    fs = h.core.fs
+    ino, fh = opened(h, "l.pt")
+    close(h, fh)
+    inode = fs.inodes[ino]
+    nlookup = inode.nlookup
+    check = inline(h, fs.lookup_check_wanted, ROOT, "l.pt")
+    assert check is not None and check.inode is inode and check.path == "l.pt"
+    entry = fs.backing.entry_quick(check.path)
+    assert entry is not None
+    attr = inline(h, fs.lookup_checked, ROOT, "l.pt", check, entry)
+    assert attr is not None and attr.ino == ino
+    assert inode.nlookup == nlookup + 1 and inode.checked_at == entry.read_at
+    on_loop = h.call(fs.lookup, ROOT, "l.pt")
+    assert (on_loop.ino, on_loop.size, on_loop.mode, on_loop.mtime_ns) == (
+        attr.ino,
+        attr.size,
+        attr.mode,
+        attr.mtime_ns,
+    )
+    assert inode.nlookup == nlookup + 2
+    assert inline(h, fs.lookup_check_wanted, ROOT, "missing.pt") is None  # a new name
+
+    # Another node's new version at the name, or a rename meanwhile: declined,
+    # nothing counted; the loop's lookup binds the new version to a new inode.
+    def declined(name: str, meanwhile: Any) -> None:
+        ino, fh = opened(h, name)
+        close(h, fh)
+        check = inline(h, fs.lookup_check_wanted, ROOT, name)
+        assert check is not None
+        entry = meanwhile(check) or fs.backing.entry_quick(check.path)
+        before = (tables(h), fs.inodes[ino].nlookup)
+        assert inline(h, fs.lookup_checked, ROOT, name, check, entry) is None
+        assert (tables(h), fs.inodes[ino].nlookup) == before
+
+    declined("v.pt", lambda check: rewrite_elsewhere(h, "v.pt", os.urandom(100)))
+    assert h.call(fs.lookup, ROOT, "v.pt").size == 100
+
+    def renamed(check: Any) -> Any:
+        entry = fs.backing.entry_quick(check.path)
+        h.call(fs.rename, ROOT, "w.pt", ROOT, "x.pt", 0)
+        return entry
+
+    declined("w.pt", renamed)
+
+
+def test_a_getattr_due_is_checked_off_the_loop(h: Harness, monkeypatch: Any) -> None:
+    """A stat the fast path declines (a closed file's check too old, a
+    directory's attributes older than their reuse): answered as getattr()
+    would with the entry the thread read."""
+    fs = h.core.fs
+    ino, fh = opened(h, "g.pt")
+    close(h, fh)
+    monkeypatch.setattr(fs.config, "open_recheck", 0.0)
+    assert inline(h, fs.getattr_now, ino) is None
+    check = inline(h, fs.getattr_check_wanted, ino)
+    entry = fs.backing.entry_quick(check.path)
+    assert entry is not None
+    attr = inline(h, fs.getattr_checked, check, entry)
+    assert attr is not None and fs.inodes[ino].checked_at == entry.read_at
+    on_loop = h.call(fs.getattr, ino)
+    assert (attr.ino, attr.size, attr.mode, attr.mtime_ns) == (
+        on_loop.ino,
+        on_loop.size,
+        on_loop.mode,
+        on_loop.mtime_ns,
+    )
+    root = inline(h, fs.getattr_check_wanted, ROOT)
+    assert root.path == ""
+    root_entry = fs.backing.entry_quick(root.path)
+    got = inline(h, fs.getattr_checked, root, root_entry)
+    assert got is not None and got.ino == ROOT
+    assert fs.inodes[ROOT].dir_attrs is root_entry  # reused by the next stats
+    check = inline(h, fs.getattr_check_wanted, ino)
+    entry = fs.backing.entry_quick(check.path)
+    h.call(fs.rename, ROOT, "g.pt", ROOT, "h.pt", 0)  # meanwhile: declined
+    assert inline(h, fs.getattr_checked, check, entry) is None
+
+
 def test_no_quick_read_while_the_store_is_not_healthy(h: Harness) -> None:
     fs = h.core.fs
     ino, fh = opened(h, "q.pt")
@@ -154,7 +236,11 @@ def test_opens_through_a_mount_are_checked_by_the_request_thread(mounts: Any) ->
     a.cli("flush", str(a.mnt), "--wait")
     assert _opens(str(b.mnt / "ckpt.pt"), 1) == second
     assert _opens(str(b.mnt / "ckpt.pt"), 5) == second
-    assert "opens it checked itself" in b.cli("stat", str(b.mnt)).stdout
+    time.sleep(1.2)  # past the kernel's entry timeout: the next stat looks the name up
+    before = b.stat()["fuse"]["requests"]["checked"]
+    assert os.stat(b.mnt / "ckpt.pt").st_size == len(second)
+    assert b.stat()["fuse"]["requests"]["checked"] > before
+    assert "after its own store read" in b.cli("stat", str(b.mnt)).stdout
     b.umount()
     a.umount()
 

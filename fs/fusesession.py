@@ -236,7 +236,6 @@ class Session:
         self._slow = frozenset(int(op) for op in handlers.slow)
         self._off_loop = {int(op): fn for op, fn in handlers.off_loop.items()}
         self._off_loop_checked = {int(op): p for op, p in handlers.off_loop_checked.items()}
-        self._thread_ops = frozenset(self._off_loop) | frozenset(self._off_loop_checked)
         self._burst = burst
         # Spinning only helps when the caller can run meanwhile.
         self.spin = spin if len(os.sched_getaffinity(0)) > 1 else 0.0
@@ -391,11 +390,6 @@ class Session:
             if not self._answer_inline(req):
                 if read_here:
                     self._read_buf = self._hand_on(req, self._read_buf)
-                if self._thread is not None and req.op in self._thread_ops:
-                    # A stat, lookup or open that needed a worker: the
-                    # caller's next request is likely one the thread answers
-                    # (a save's WRITEs have no such path: the loop reads on).
-                    self._give_to_thread()
                 return req  # (the thread made the body of its own safe)
             if self._thread is not None:
                 self._give_to_thread()  # a small request: the caller's next one is too

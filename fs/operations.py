@@ -421,7 +421,10 @@ class Operations:
     @fast
     def open_now(self, req: Request) -> Reply | None:
         flags, _ = abi.OPEN_IN.unpack_from(req.body)
-        opened = self.fs.open_now(req.nodeid, flags, _caller(req))
+        return self._opened(flags, self.fs.open_now(req.nodeid, flags, _caller(req)))
+
+    def _opened(self, flags: int, opened: tuple[int, bool] | None) -> Reply | None:
+        """A read-only open's reply (None: declined)."""
         if opened is None:
             return None
         fh, keep = opened
@@ -440,10 +443,7 @@ class Operations:
             opened = self.fs.open_checked(check, found, _caller(req))
         except Exception as exc:
             raise _failed("open", self.fs, req, exc) from None
-        if opened is None:
-            return None
-        fh, keep = opened
-        return abi.open_out(fh, self._open_flags(flags, keep, _writes(flags)))
+        return self._opened(flags, opened)
 
     @handler
     async def read(self, req: Request) -> Reply:

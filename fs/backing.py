@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .blocking import BackingIO, Call, QuickCalls
+from .blocking import BackingIO, Call
 from .chunkstore import CKPTFS_DIR
 from .manifest import (
     Manifest,
@@ -368,33 +368,26 @@ def _close_quietly(fd: int | None) -> None:
         pass
 
 
-# How long the request thread waits for a manifest check of its own before
-# it hands the request to the loop (QuickCalls): a local or NFS stat and
-# read take well under a millisecond while the store is healthy.
-QUICK_WAIT = 0.02
-
-
 class Backing:
     def __init__(self, root: Path, io: BackingIO) -> None:
         self.root = root
         self.io = io
-        self.quick = QuickCalls(QUICK_WAIT)
         # Opened once at mount; the root itself never moves.
         self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.umask = os.umask(0)
         os.umask(self.umask)
 
     def close(self) -> None:
-        self.quick.close()
         os.close(self.root_fd)
 
-    def entry_quick(self, rel: str) -> Entry | None:
-        """The entry at ``rel`` for a thread that must not wait long
-        (QuickCalls); None if it is not there by QUICK_WAIT, if the store is
-        not healthy, or on any error: the caller then asks :meth:`entry`."""
+    def entry_here(self, rel: str) -> Entry | None:
+        """The entry at ``rel``, read in the calling thread: for the FUSE
+        request thread, whose store calls its session bounds (storecall.py).
+        None while the store is not healthy: the loop's :meth:`entry`, with
+        its timeout, then asks instead."""
         if self.io.health != "normal":
             return None
-        return self.quick.run(_entry_at, self.root_fd, rel)
+        return _entry_at(self.root_fd, rel)
 
     async def entry(self, rel: str) -> Entry:
         return await self.io.run(

@@ -5,10 +5,9 @@ limit; a thread stuck in the kernel cannot be cancelled, so the number of such
 threads is bounded and the store's health (normal / slow / down) is tracked,
 both for `ckptfs stat` and so that callers stop piling requests onto it.
 
-A thread that must never wait long for the store (the FUSE request thread,
-which reads /dev/fuse for everyone) uses :class:`QuickCalls` instead: one
-helper thread, waited for a bounded time, and no new call while an old one
-still runs.
+The FUSE request thread, which reads /dev/fuse for everyone, makes its few
+store calls itself instead, under a timer that lets the loop take the
+reading over (storecall.py).
 
 A call the loop gave up on still runs to its end in its thread. Two things
 make that safe: ``late`` releases whatever the call holds once it ends (an fd
@@ -25,7 +24,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from typing import Generic, TypeVar
 
@@ -233,51 +231,3 @@ def in_background(fn: Callable[[], T]) -> Callable[[], T]:
                 _renice = False  # not allowed after all: never lowered again
 
     return run
-
-
-class QuickCalls:
-    """Short blocking calls for a thread that must not wait long: each runs
-    in one helper thread and is waited for at most ``wait`` seconds; None
-    when it did not finish by then, failed, or could not start.
-
-    A call still running past its wait is left to finish (its result is
-    dropped), and no other starts until it has: a hung store costs one
-    wait, not one per request, and the caller does what it did without
-    (hands the request to the loop, whose calls have the store timeout)."""
-
-    def __init__(self, wait: float) -> None:
-        self.wait = wait
-        self.calls = 0
-        self.late = 0  # ran past their wait
-        self._lock = threading.Lock()
-        self._running: Future[object] | None = None
-        self._closed = False
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfs-quick")
-
-    def run(self, fn: Callable[..., T], *args: object) -> T | None:
-        with self._lock:
-            if self._running is not None or self._closed:
-                return None
-            future = self._running = self._executor.submit(fn, *args)
-        self.calls += 1
-        future.add_done_callback(self._ended)
-        try:
-            result = future.result(timeout=self.wait)
-        except TimeoutError:
-            self.late += 1
-            return None
-        except Exception:  # noqa: BLE001 - the caller's fallback reports it
-            result = None
-        self._ended(future)
-        return result
-
-    def _ended(self, future: Future[object]) -> None:
-        """The call ended (in the helper, or seen ended by the caller first)."""
-        with self._lock:
-            if self._running is future:
-                self._running = None
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-        self._executor.shutdown(wait=False, cancel_futures=True)

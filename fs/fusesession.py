@@ -22,11 +22,14 @@ Who reads (``ReadMode``, one reader at a time):
   written the reply, instead of a turn of the loop before and after. An
   open whose manifest check is due (close-to-open), a lookup of a name whose
   file we hold, and a stat that needs the store (``Handlers.off_loop_checked``,
-  ``CheckedPath``): the thread lets go of the lock, reads the entry through
-  ``QuickCalls`` (a helper thread, waited for 20 ms at most, none while the
-  store is unhealthy) and answers with the lock taken again, if no rename
-  ran meanwhile and (open, lookup) the manifest still names our copy's
-  version; else the loop answers it.
+  ``CheckedPath``): the thread lets go of the lock, reads the entry itself
+  (none while the store is unhealthy) and answers with the lock taken again,
+  if no rename ran meanwhile and (open, lookup) the manifest still names our
+  copy's version; else the loop answers it. Nobody reads /dev/fuse while it
+  reads the store, so a timer bounds that (storecall.py): if the read runs
+  past ``STORE_CALL_WAIT`` the loop takes the reading (``Handed.TAKEN``),
+  answers the thread's request once its read returns, and gives the reading
+  back only after that.
 - LOOP: anything else (a request without an off-loop path, a fast path that
   declined, the state lock taken) goes to the loop with the reading itself:
   the thread parks, and worker tasks read, as below, until no request came
@@ -97,6 +100,7 @@ from . import fuseabi as abi
 from . import interrupts
 from .cpulatency import BurstHold
 from .fuseabi import Op
+from .storecall import ReadingTaken, StoreCallWatch
 
 log = logging.getLogger("ckptfs.fuse")
 
@@ -117,11 +121,24 @@ STOP_POLL = 0.2  # seconds between looks for a stop signal after another signal
 # this long without a request, the request thread reads again.
 LOOP_IDLE = 0.005
 THREAD_JOIN = 5.0  # seconds to wait for the request thread at the end
+# A store call of the request thread's own (a due manifest check) may hold up
+# the reading this long before the loop takes it over (storecall.py): a local
+# or NFS stat takes well under a millisecond while the store is healthy. After
+# one ran that long, the thread makes none for STORE_CALL_COOLDOWN.
+STORE_CALL_WAIT = 0.02
+STORE_CALL_COOLDOWN = 1.0
 # Bound once: every request goes through them.
 IN_HEADER_UNPACK = abi.IN_HEADER.unpack_from
 IN_HEADER_SIZE = abi.IN_HEADER.size
 OUT_HEADER_PACK = abi.OUT_HEADER.pack
 OUT_HEADER_SIZE = abi.OUT_HEADER.size
+
+
+class Handed(enum.Enum):
+    """What the loop's reader gets from the request thread besides a request."""
+
+    GONE = "the connection is gone"
+    TAKEN = "the loop took the reading: the thread's store call overran"
 
 
 class ReadMode(enum.Enum):
@@ -208,6 +225,7 @@ class Counters:
     stateless: int = 0  # INIT, IOCTL, unknown opcodes
     spun: int = 0  # read by the request thread while it spun after an answer
     thread_waits: int = 0  # the request thread's waits in poll(2)
+    taken: int = 0  # readings the loop took from the thread, held up in the store
     interrupts: int = 0  # INTERRUPTs for a stop signal, of a request a handler still had
     signals_ignored: int = 0  # INTERRUPTs for another signal (see interrupts.py)
     workers: int = 0  # worker tasks started so far
@@ -257,9 +275,10 @@ class Session:
         self._holds_state = _LoopHoldsState(self._state_lock)
         self._sharing = False  # _holds_state installed
         self._thread: RequestThread | None = None
-        # The request the thread gave the reading away with (None: the
-        # connection is gone); one at a time, so never more than one here.
-        self._handed_send, self._handed_recv = trio.open_memory_channel[Request | None](1)
+        self._store_watch: StoreCallWatch | None = None  # the thread's store calls
+        # The request the thread gave the reading away with, or why the
+        # reader reads (Handed); one at a time, so never more than one here.
+        self._handed_send, self._handed_recv = trio.open_memory_channel[Request | Handed](1)
 
     # ----- the session's life ------------------------------------------------------------
     async def run(self) -> None:
@@ -270,12 +289,16 @@ class Session:
         try:
             if self.mode is ReadMode.THREAD and not self._stopping:
                 self._thread = RequestThread(self)
+                self._store_watch = StoreCallWatch(STORE_CALL_WAIT, STORE_CALL_COOLDOWN)
                 self._share_state(True)
                 self._thread.start()
             async with trio.open_nursery() as workers:
                 self._workers = workers
                 if not self._stopping:
                     self._add_worker()
+                    if self._store_watch is not None:
+                        workers.start_soon(self._watch_store_calls, self._store_watch)
+            self._workers = None
         finally:
             # The thread first: until it has ended it may take the lock
             # whenever the loop waits for I/O (here too, while it joins).
@@ -293,7 +316,11 @@ class Session:
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(thread.join, THREAD_JOIN)
         if thread.is_alive():
+            # Held up in the store: its timer stays open (it disarms it on
+            # return; a closed number could be another file's by then).
             log.error("the FUSE request thread did not end within %gs", THREAD_JOIN)
+        elif self._store_watch is not None:
+            self._store_watch.close()
 
     def terminate(self) -> None:
         """Stop reading requests (from any thread); :meth:`run` returns once
@@ -371,7 +398,14 @@ class Session:
         or takes what the request thread gives the loop."""
         served = 0
         while not self._stopping:
-            read_here = self.mode is ReadMode.LOOP
+            # What the thread handed over first, also in LOOP mode: the loop
+            # took the reading while this reader awaited something else (a
+            # checkpoint, below), and its Handed.TAKEN must not stay there.
+            try:
+                received: Request | Handed | None = self._handed_recv.receive_nowait()
+            except trio.WouldBlock:
+                received = None
+            read_here = received is None and self.mode is ReadMode.LOOP
             if read_here:
                 try:
                     n = self._read(self._read_buf)
@@ -382,10 +416,13 @@ class Session:
                     continue
                 req = _request(self._read_buf, n)
             else:
-                received = await self._handed_recv.receive()  # with the reading
-                self._share_state(False)  # the thread parked
                 if received is None:
+                    received = await self._handed_recv.receive()  # with the reading
+                self._share_state(False)  # the thread parked
+                if received is Handed.GONE:
                     return None
+                if received is Handed.TAKEN:
+                    continue  # read here while the thread is held up
                 req = received
             if not self._answer_inline(req):
                 if read_here:
@@ -399,6 +436,12 @@ class Session:
         return None
 
     def _give_to_thread(self) -> None:
+        """The request thread reads from here on, unless it is still held up
+        in a store call that overran (then the loop reads on)."""
+        assert self._store_watch is not None
+        self._store_watch.may_resume(self._resume_thread)
+
+    def _resume_thread(self) -> None:
         assert self._thread is not None
         self._share_state(True)
         self.mode = ReadMode.THREAD
@@ -469,7 +512,7 @@ class Session:
             plan = None
             try:
                 answered = fast is not None and self._run_fast(fast, req, count_declined=False)
-                if not answered:
+                if not answered and self._store_watch is not None and self._store_watch.usable():
                     plan = self._plan_checked(req)
             finally:
                 self._state_lock.release()
@@ -499,8 +542,10 @@ class Session:
 
     def _answer_checked(self, req: Request, checked: CheckedPath, plan: Any) -> bool:
         """Read for ``plan`` with the state lock let go, then answer with the
-        lock held (taken without waiting, as every off-loop path does)."""
-        result = checked.read(plan)
+        lock held (taken without waiting, as every off-loop path does).
+        Raises ReadingTaken if the read overran and the loop took the reading."""
+        assert self._store_watch is not None
+        result = self._store_watch.run(checked.read, plan)
         if result is None or not self._state_lock.acquire(blocking=False):
             return False
         try:
@@ -525,21 +570,70 @@ class Session:
         if self._burst is not None and req.pid:
             self._burst.answered()  # a caller waits for it: more may follow
 
-    def give_to_loop(self, req: Request | None) -> None:
+    def give_to_loop(self, req: Request | Handed) -> None:
         """From the request thread, which parked: the loop reads from here on,
-        starting with ``req`` (None: the connection is gone)."""
-        self.mode = ReadMode.LOOP
+        starting with ``req`` (Handed.GONE: the connection is gone)."""
         assert self._token is not None
         try:
             self._token.run_sync_soon(self._handed, req)
         except trio.RunFinishedError:
             pass
 
-    def _handed(self, req: Request | None) -> None:
+    def _handed(self, req: Request | Handed) -> None:
+        # The mode changes here, on the loop, with the request on its way to
+        # the reader: a reader that looked at the mode since it gave the
+        # reading to the thread waits for this channel, not /dev/fuse.
+        self.mode = ReadMode.LOOP
         try:
             self._handed_send.send_nowait(req)
         except trio.WouldBlock:  # the thread gives one at a time: a bug
             log.error("the FUSE request thread gave the loop a second request at once")
+
+    async def _watch_store_calls(self, watch: StoreCallWatch) -> None:
+        """Takes the reading from the request thread when a store call of its
+        own runs past ``watch.wait`` (its timer fires)."""
+        with trio.CancelScope() as scope:
+            self._reading.add(scope)
+            try:
+                while not self._stopping:
+                    await trio.lowlevel.wait_readable(watch.timer.fd)
+                    if watch.take_if_overrun(self._take_reading):
+                        self.counters.taken += 1
+                        log.warning(
+                            "a backing-store read in the FUSE request thread took over %g s: "
+                            "the loop reads requests meanwhile, and the thread makes no "
+                            "store reads for %g s",
+                            watch.wait,
+                            watch.cooldown,
+                        )
+            finally:
+                self._reading.discard(scope)
+
+    def _take_reading(self) -> None:
+        """Under the watch's lock, the thread held up in the store: park it
+        and wake the reader, which waits for the thread's hand-over."""
+        assert self._thread is not None
+        self._thread.park()
+        self.mode = ReadMode.LOOP
+        try:
+            self._handed_send.send_nowait(Handed.TAKEN)
+        except trio.WouldBlock:
+            pass  # a hand-over is there: the reader takes it, then reads here
+
+    def give_late(self, req: Request) -> None:
+        """From the request thread, after its store call overran: the loop
+        answers ``req`` (the reading is the loop's already)."""
+        assert self._token is not None
+        try:
+            self._token.run_sync_soon(self._late, req)
+        except trio.RunFinishedError:
+            pass  # the session ended: the kernel failed the request
+
+    def _late(self, req: Request) -> None:
+        if self._workers is None:  # the session is ending: no worker takes it
+            self._reply_error(req, errno.EIO)
+            return
+        self._workers.start_soon(self._handle, req)
 
     async def _handle(self, req: Request) -> None:
         self.counters.handled += 1
@@ -763,6 +857,11 @@ class RequestThread:
         """From the loop, which stopped reading: this thread reads again."""
         self._go.set()
 
+    def park(self) -> None:
+        """From the loop, which took the reading while this thread was held
+        up in the store: it reads no more until :meth:`resume`."""
+        self._go.clear()
+
     def stop(self) -> None:
         """From any thread: end at the next look (now, if it waits)."""
         self._stopping = True
@@ -802,7 +901,7 @@ class RequestThread:
                 n = session._read(buf)
             except _Unmounted:
                 self._go.clear()
-                session.give_to_loop(None)
+                session.give_to_loop(Handed.GONE)
                 return
             if not n:
                 if spin and _now() < spin_until:
@@ -821,7 +920,13 @@ class RequestThread:
                 counters.spun += 1
                 spinning = False
             req = _request(buf, n)
-            if session.answer_off_loop(req):
+            try:
+                answered = session.answer_off_loop(req)
+            except ReadingTaken:  # parked by the loop, which reads meanwhile
+                buf = session._hand_on(req, buf)
+                session.give_late(req)
+                continue
+            if answered:
                 # The caller was woken by the reply, often onto this CPU (a
                 # waker's CPU is where the scheduler tends to put it): let it
                 # run before the hold's bookkeeping, and spin only if it did
@@ -890,6 +995,7 @@ def describe(session: Session | None) -> dict[str, Any]:
             "declined": c.declined,
             "stateless": c.stateless,
             "spun": c.spun,
+            "taken": c.taken,
             "interrupts": c.interrupts,
             "signals_ignored": c.signals_ignored,
         },

@@ -435,7 +435,7 @@ class Operations:
         return self.fs.open_check_wanted(req.nodeid, flags)
 
     def check_read(self, check: CheckPlan) -> Entry | None:
-        return self.fs.backing.entry_quick(check.path)
+        return self.fs.backing.entry_here(check.path)
 
     def open_checked(self, req: Request, check: CheckPlan, found: Entry) -> Reply | None:
         flags, _ = abi.OPEN_IN.unpack_from(req.body)

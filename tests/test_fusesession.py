@@ -31,7 +31,15 @@ import trio
 from ckptfs.fs import fuseabi as abi
 from ckptfs.fs import fusemount, fusesession
 from ckptfs.fs.fuseabi import Op
-from ckptfs.fs.fusesession import LOOP_IDLE, FuseError, Handlers, ReadMode, Request, Session
+from ckptfs.fs.fusesession import (
+    LOOP_IDLE,
+    CheckedPath,
+    FuseError,
+    Handlers,
+    ReadMode,
+    Request,
+    Session,
+)
 from ckptfs.fs.interrupts import interruptible
 
 TIMEOUT = 20
@@ -74,6 +82,15 @@ class Tiny:
         self.off_loop = False  # offer the fast paths to the request thread too
         self.fast_threads: list[str] = []  # the thread each fast open ran in
         self.fast_calls: list[tuple[float, str]] = []  # (when, thread) of fast opens and releases
+        # The request thread checks opens of f with a "store read" of its own
+        # (CheckedPath), which waits while ``store`` is clear and sleeps
+        # ``store_delay`` seconds (a slow store) when set.
+        self.checked = False
+        self.store = threading.Event()
+        self.store.set()
+        self.store_delay = 0.0
+        self.store_reads: list[str] = []  # the thread each read ran in
+        self.checked_opens = 0
 
     def _attr(self, ino: int) -> TinyAttr:
         if ino == abi.ROOT_ID or ino >= DIRS:
@@ -107,7 +124,26 @@ class Tiny:
             off_loop=(
                 {Op.OPEN: self.open_now, Op.RELEASE: self.release_now} if self.off_loop else {}
             ),
+            off_loop_checked=(
+                {Op.OPEN: CheckedPath(self.check_plan, self.check_read, self.check_finish)}
+                if self.checked
+                else {}
+            ),
         )
+
+    def check_plan(self, req: Request) -> int | None:
+        return req.nodeid if req.nodeid == 2 else None  # f only
+
+    def check_read(self, ino: int) -> str | None:
+        self.store_reads.append(threading.current_thread().name)
+        assert self.store.wait(TIMEOUT)
+        if self.store_delay:
+            time.sleep(self.store_delay)
+        return "entry"
+
+    def check_finish(self, req: Request, ino: int, entry: str) -> bytes | None:
+        self.checked_opens += 1
+        return abi.open_out(1, abi.FOPEN_NOFLUSH)
 
     async def lookup(self, req: Request) -> bytes:
         name = abi.names(req.body, 1)[0]
@@ -416,6 +452,124 @@ def test_a_burst_of_writes_is_read_by_the_loop_then_the_thread_reads_again(
         for _ in range(10):
             os.close(os.open(mnt / "f1", os.O_RDONLY))  # its name is cached: OPEN, RELEASE
         assert session.counters.thread - thread_before >= 10
+
+
+def test_a_store_read_of_the_thread_held_up_is_taken_over_by_the_loop(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """The request thread's own store read (a due check of f) hangs: past
+    STORE_CALL_WAIT the loop reads, so other files open, read and stat
+    meanwhile; the held-up open is answered by the loop once the read
+    returns, and the thread reads again after that (no store reads of its
+    own within the cooldown)."""
+    monkeypatch.setattr(fusesession, "STORE_CALL_WAIT", 0.05)
+    monkeypatch.setattr(fusesession, "STORE_CALL_COOLDOWN", 0.5)
+    tiny = Tiny(b"abc")
+    tiny.checked = True
+    tiny.decline = True  # no open answers without its check: the loop's opens are slow ones
+    with served(tmp_path, tiny) as (mnt, session, _):
+        assert (mnt / "f").read_bytes() == b"abc"  # the name is cached
+        (mnt / "f1").write_bytes(b"other")
+        _wait_for(lambda: session.mode is ReadMode.THREAD)
+        assert (mnt / "f").read_bytes() == b"abc"
+        assert tiny.checked_opens == 1 and tiny.store_reads == ["ckptfs-fuse"]
+        _wait_for(lambda: session.mode is ReadMode.THREAD)
+        tiny.store.clear()  # the store hangs
+        held: list[bytes] = []
+        reader = threading.Thread(target=lambda: held.append((mnt / "f").read_bytes()))
+        reader.start()
+        try:
+            _wait_for(lambda: session.counters.taken == 1)
+            start = time.monotonic()
+            for _ in range(5):  # meanwhile the loop answers everyone else
+                assert (mnt / "f1").read_bytes() == b"other"
+                assert os.stat(mnt).st_mode & stat.S_IFDIR
+            assert time.monotonic() - start < TIMEOUT / 2
+            assert session.mode is ReadMode.LOOP and not held
+            time.sleep(4 * LOOP_IDLE)  # idle, but the thread is still held up: the loop reads on
+            assert session.mode is ReadMode.LOOP
+        finally:
+            tiny.store.set()
+            reader.join(TIMEOUT)
+        assert held == [b"abc"]
+        _wait_for(lambda: session.mode is ReadMode.THREAD)  # given back once the read returned
+        slow = tiny.slow_opens
+        assert (mnt / "f").read_bytes() == b"abc"  # in the cooldown: the loop checks it
+        assert tiny.slow_opens == slow + 1 and len(tiny.store_reads) == 2
+        time.sleep(0.6)
+        _wait_for(lambda: session.mode is ReadMode.THREAD)
+        assert (mnt / "f").read_bytes() == b"abc"  # past it: the thread again
+        assert len(tiny.store_reads) == 3 and tiny.checked_opens == 2
+        assert session.counters.taken == 1
+
+
+def test_hand_overs_and_takeovers_under_many_callers_lose_no_request(
+    tmp_path: Path, monkeypatch: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Four processes at once: opens the thread answers, opens it checks
+    with a store read of its own that now and then overruns (the loop takes
+    the reading), lookups of new names and writes that need the loop (the
+    reading handed over). Every call is answered, in bounded time, and no
+    hand-over finds the loop's channel full."""
+    monkeypatch.setattr(fusesession, "STORE_CALL_WAIT", 0.005)
+    monkeypatch.setattr(fusesession, "STORE_CALL_COOLDOWN", 0.0)
+    tiny = Tiny(b"abc")
+    tiny.off_loop = True
+    tiny.checked = True
+    tiny.decline = True
+    script = textwrap.dedent(
+        """
+        import os, sys
+        mnt, me = sys.argv[1], int(sys.argv[2])
+        for i in range(150):
+            with open(os.path.join(mnt, "f"), "rb") as f:
+                assert f.read() == b"abc"
+            try:
+                os.stat(os.path.join(mnt, f"missing-{me}-{i}"))
+            except FileNotFoundError:
+                pass
+            with open(os.path.join(mnt, f"f{me + 1}"), "r+b" if i else "wb") as f:
+                f.write(i.to_bytes(4, "little"))
+        """
+    )
+    logged = caplog.at_level("WARNING", logger="ckptfs.fuse")
+    with logged, served(tmp_path, tiny) as (mnt, session, _):
+        slow = 0
+
+        def slow_now_and_then() -> None:
+            nonlocal slow
+            while not done.is_set():  # every 10th read or so overruns
+                tiny.store_delay = 0.02 if slow % 10 == 0 else 0.0
+                slow += 1
+                time.sleep(0.003)
+
+        done = threading.Event()
+        flipper = threading.Thread(target=slow_now_and_then)
+        flipper.start()
+        try:
+            procs = [
+                subprocess.Popen([sys.executable, "-c", script, str(mnt), str(k)])
+                for k in range(4)
+            ]
+            for p in procs:
+                assert p.wait(timeout=120) == 0
+        finally:
+            done.set()
+            flipper.join(TIMEOUT)
+            tiny.store_delay = 0.0
+        c = session.counters
+        assert c.checked > 0 and c.taken > 0 and c.handled > 0, c
+        for k in range(4):
+            assert bytes(tiny.files[3 + k]) == (149).to_bytes(4, "little")
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert not errors, [r.getMessage() for r in errors]
+
+
+def _wait_for(cond: Any) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
 
 
 def test_without_the_request_thread_the_loop_reads_everything(tmp_path: Path) -> None:

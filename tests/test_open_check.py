@@ -1,7 +1,8 @@
 """A read-only open whose manifest check is due (close-to-open, older than
 ``fuse.open_recheck``), and a lookup of a name whose inode we hold, checked
-by the FUSE request thread itself: it reads the manifest in a helper thread
-with the state lock let go (``Backing.entry_quick``, ``QuickCalls``), and
+by the FUSE request thread itself: it reads the manifest with the state
+lock let go (``Backing.entry_here``; its session bounds the read, see
+test_storecall.py and test_fusesession.py), and
 answers only if the manifest still names our copy's version and nothing was
 renamed or removed meanwhile (``FileSystem.open_check_wanted`` /
 ``open_checked``, ``lookup_check_wanted`` / ``lookup_checked``); otherwise
@@ -14,12 +15,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
 import pytest
-from ckptfs.fs.blocking import QuickCalls
 from ckptfs.fs.inodes import ROOT
 from lifecycle_harness import Harness
 from test_fast_paths import inline, tables
@@ -37,7 +36,7 @@ def test_a_due_check_is_made_off_the_loop_and_the_open_answered(
     check = inline(h, fs.open_check_wanted, ino, os.O_RDONLY)
     assert check is not None and check.path == "k.pt" and check.f is fs.inodes[ino].file
     before = tables(h)
-    entry = fs.backing.entry_quick(check.path)  # off the loop, as the request thread does
+    entry = fs.backing.entry_here(check.path)  # off the loop, as the request thread does
     assert entry is not None and entry.manifest is not None
     assert tables(h) == before  # reading changed nothing
     got = inline(h, fs.open_checked, check, entry, CALLER)
@@ -63,7 +62,7 @@ def test_a_checked_open_declines_whatever_changed(h: Harness, monkeypatch: Any) 
         close(h, fh)
         check = inline(h, fs.open_check_wanted, ino, os.O_RDONLY)
         assert check is not None
-        entry = meanwhile(check) or fs.backing.entry_quick(check.path)
+        entry = meanwhile(check) or fs.backing.entry_here(check.path)
         assert entry is not None
         before = tables(h)
         assert inline(h, fs.open_checked, check, entry, CALLER) is None
@@ -73,7 +72,7 @@ def test_a_checked_open_declines_whatever_changed(h: Harness, monkeypatch: Any) 
     declined("m.pt", lambda check: rewrite_elsewhere(h, "m.pt", os.urandom(100)))
 
     def renamed(check: Any) -> Any:
-        entry = fs.backing.entry_quick(check.path)  # read before the rename...
+        entry = fs.backing.entry_here(check.path)  # read before the rename...
         h.call(fs.rename, ROOT, "n.pt", ROOT, "o.pt", 0)  # ...and answered after it
         return entry
 
@@ -96,7 +95,7 @@ def test_a_lookup_of_a_held_name_is_checked_off_the_loop(h: Harness) -> None:
     nlookup = inode.nlookup
     check = inline(h, fs.lookup_check_wanted, ROOT, "l.pt")
     assert check is not None and check.inode is inode and check.path == "l.pt"
-    entry = fs.backing.entry_quick(check.path)
+    entry = fs.backing.entry_here(check.path)
     assert entry is not None
     attr = inline(h, fs.lookup_checked, ROOT, "l.pt", check, entry)
     assert attr is not None and attr.ino == ino
@@ -118,7 +117,7 @@ def test_a_lookup_of_a_held_name_is_checked_off_the_loop(h: Harness) -> None:
         close(h, fh)
         check = inline(h, fs.lookup_check_wanted, ROOT, name)
         assert check is not None
-        entry = meanwhile(check) or fs.backing.entry_quick(check.path)
+        entry = meanwhile(check) or fs.backing.entry_here(check.path)
         before = (tables(h), fs.inodes[ino].nlookup)
         assert inline(h, fs.lookup_checked, ROOT, name, check, entry) is None
         assert (tables(h), fs.inodes[ino].nlookup) == before
@@ -127,7 +126,7 @@ def test_a_lookup_of_a_held_name_is_checked_off_the_loop(h: Harness) -> None:
     assert h.call(fs.lookup, ROOT, "v.pt").size == 100
 
     def renamed(check: Any) -> Any:
-        entry = fs.backing.entry_quick(check.path)
+        entry = fs.backing.entry_here(check.path)
         h.call(fs.rename, ROOT, "w.pt", ROOT, "x.pt", 0)
         return entry
 
@@ -144,7 +143,7 @@ def test_a_getattr_due_is_checked_off_the_loop(h: Harness, monkeypatch: Any) -> 
     monkeypatch.setattr(fs.config, "open_recheck", 0.0)
     assert inline(h, fs.getattr_now, ino) is None
     check = inline(h, fs.getattr_check_wanted, ino)
-    entry = fs.backing.entry_quick(check.path)
+    entry = fs.backing.entry_here(check.path)
     assert entry is not None
     attr = inline(h, fs.getattr_checked, check, entry)
     assert attr is not None and fs.inodes[ino].checked_at == entry.read_at
@@ -157,47 +156,26 @@ def test_a_getattr_due_is_checked_off_the_loop(h: Harness, monkeypatch: Any) -> 
     )
     root = inline(h, fs.getattr_check_wanted, ROOT)
     assert root.path == ""
-    root_entry = fs.backing.entry_quick(root.path)
+    root_entry = fs.backing.entry_here(root.path)
     got = inline(h, fs.getattr_checked, root, root_entry)
     assert got is not None and got.ino == ROOT
     assert fs.inodes[ROOT].dir_attrs is root_entry  # reused by the next stats
     check = inline(h, fs.getattr_check_wanted, ino)
-    entry = fs.backing.entry_quick(check.path)
+    entry = fs.backing.entry_here(check.path)
     h.call(fs.rename, ROOT, "g.pt", ROOT, "h.pt", 0)  # meanwhile: declined
     assert inline(h, fs.getattr_checked, check, entry) is None
 
 
-def test_no_quick_read_while_the_store_is_not_healthy(h: Harness) -> None:
+def test_no_read_of_its_own_while_the_store_is_not_healthy(h: Harness) -> None:
     fs = h.core.fs
     ino, fh = opened(h, "q.pt")
     close(h, fh)
     fs.backing.io.health = "slow"
     try:
-        assert fs.backing.entry_quick("q.pt") is None
+        assert fs.backing.entry_here("q.pt") is None
     finally:
         fs.backing.io.health = "normal"
-    assert fs.backing.entry_quick("q.pt") is not None
-
-
-def test_quick_calls_wait_a_bounded_time_and_never_pile_up() -> None:
-    quick = QuickCalls(wait=0.05)
-    assert quick.run(lambda x: x + 1, 41) == 42
-    assert quick.run(lambda: 1 / 0) is None  # failed: the caller's fallback reports it
-    release = threading.Event()
-    start = time.monotonic()
-    assert quick.run(release.wait, 30) is None  # hung: given up after the wait
-    assert time.monotonic() - start < 5
-    assert quick.late == 1
-    start = time.monotonic()
-    assert quick.run(lambda: 7) is None  # the hung call still runs: none starts
-    assert time.monotonic() - start < 0.04  # and nothing waited for it
-    release.set()
-    deadline = time.monotonic() + 10
-    while quick.run(lambda: 7) != 7:  # once it ended, calls run again
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    quick.close()
-    assert quick.run(lambda: 7) is None
+    assert fs.backing.entry_here("q.pt") is not None
 
 
 def _opens(path: str, n: int) -> bytes:

@@ -607,12 +607,19 @@ class FileSystem:
         return None if f is None else self._opened(inode, f, caller)
 
     def lookup_check_wanted(self, parent: int, name: str) -> CheckPlan | None:
-        """A lookup of a name whose inode we hold with a file that only a
-        manifest check may have changed (as for :meth:`open_check_wanted`):
-        what a thread may read for :meth:`lookup_checked`. None for anything
-        else (a new name, a directory, a file being written here)."""
+        """A lookup of a name whose inode we hold: a directory, or a file
+        that only a manifest check may have changed (as for
+        :meth:`open_check_wanted`): what a thread may read for
+        :meth:`lookup_checked`. None for anything else (a new name, a file
+        being written here, a symlink)."""
         inode = self.inodes.child(parent, name)
-        if inode is None or inode.kind != "file":
+        if inode is None:
+            return None
+        if inode.kind == "dir":  # (a path walk's every step after 1 s)
+            return CheckPlan(
+                inode, None, self.inodes.child_path(parent, name), self.ns_lock.generation
+            )
+        if inode.kind != "file":
             return None
         f = inode.file
         if f is None or not _plain_reader_case(inode, f):
@@ -621,12 +628,22 @@ class FileSystem:
 
     def lookup_checked(self, parent: int, name: str, check: CheckPlan, entry: Entry) -> Attr | None:
         """The lookup of ``check`` with ``entry``, read from the store since:
-        what lookup() answers when the entry is the same file at the same
-        version at the same inode (bound as lookup's bind does, nlookup
-        counted), if nothing was renamed or removed meanwhile; else None, and
-        the loop looks it up the usual way."""
+        what lookup() answers when the entry is the same directory, or the
+        same file at the same version, at the same inode (bound as lookup's
+        bind does, nlookup counted), if nothing was renamed or removed
+        meanwhile; else None, and the loop looks it up the usual way."""
         inode = check.inode
-        if self.inodes.child(parent, name) is not inode or not self._still_checked(check, entry):
+        if self.inodes.child(parent, name) is not inode:
+            return None
+        if inode.kind == "dir":
+            same = (
+                self.ns_lock.stable_since(check.generation)
+                and entry.kind == "dir"
+                and entry.ident == inode.ident
+            )
+            if not same:
+                return None
+        elif not self._still_checked(check, entry):
             return None
         bound = self._bind(parent, name, entry)  # the same inode: same ident and kind
         bound.nlookup += 1

@@ -133,6 +133,56 @@ def test_a_lookup_of_a_held_name_is_checked_off_the_loop(h: Harness) -> None:
     declined("w.pt", renamed)
 
 
+def test_a_lookup_of_a_held_directory_is_checked_off_the_loop(h: Harness) -> None:
+    """Every step of a path walk is looked up again once its entry ran out:
+    a directory we hold is answered as the loop's lookup would (the same
+    inode, counted); another directory at the name, or a rename meanwhile,
+    is declined with nothing changed."""
+    fs = h.core.fs
+    for name in ("d", "e", "r"):
+        h.call(fs.mkdir, ROOT, name, 0o755, CALLER)
+    attr = h.call(fs.lookup, ROOT, "d")
+    inode = fs.inodes[attr.ino]
+    nlookup = inode.nlookup
+    check = inline(h, fs.lookup_check_wanted, ROOT, "d")
+    assert check is not None and check.inode is inode and check.f is None and check.path == "d"
+    entry = fs.backing.entry_here(check.path)
+    got = inline(h, fs.lookup_checked, ROOT, "d", check, entry)
+    assert got is not None and got.ino == attr.ino and inode.nlookup == nlookup + 1
+    on_loop = h.call(fs.lookup, ROOT, "d")
+    assert (on_loop.ino, on_loop.mode, on_loop.nlink, on_loop.mtime_ns) == (
+        got.ino,
+        got.mode,
+        got.nlink,
+        got.mtime_ns,
+    )
+
+    def declined(name: str, meanwhile: Any) -> int:
+        ino = h.call(fs.lookup, ROOT, name).ino
+        check = inline(h, fs.lookup_check_wanted, ROOT, name)
+        assert check is not None
+        entry = meanwhile(check) or fs.backing.entry_here(check.path)
+        before = (tables(h), fs.inodes[ino].nlookup)
+        assert inline(h, fs.lookup_checked, ROOT, name, check, entry) is None
+        assert (tables(h), fs.inodes[ino].nlookup) == before
+        return ino
+
+    def replaced_elsewhere(check: Any) -> None:  # another node's rmdir, and a rename
+        os.mkdir(fs.backing.root / "other")
+        os.rmdir(fs.backing.root / "e")
+        os.rename(fs.backing.root / "other", fs.backing.root / "e")
+
+    old = declined("e", replaced_elsewhere)
+    assert h.call(fs.lookup, ROOT, "e").ino != old  # the loop binds the new one
+
+    def renamed(check: Any) -> Any:
+        entry = fs.backing.entry_here(check.path)
+        h.call(fs.rename, ROOT, "r", ROOT, "s", 0)
+        return entry
+
+    declined("r", renamed)
+
+
 def test_a_getattr_due_is_checked_off_the_loop(h: Harness, monkeypatch: Any) -> None:
     """A stat the fast path declines (a closed file's check too old, a
     directory's attributes older than their reuse): answered as getattr()
@@ -221,6 +271,28 @@ def test_opens_through_a_mount_are_checked_by_the_request_thread(mounts: Any) ->
     assert "after its own store read" in b.cli("stat", str(b.mnt)).stdout
     b.umount()
     a.umount()
+
+
+def test_a_path_walk_after_its_entries_expired_stays_off_the_loop(mounts: Any) -> None:
+    """``run/step-N/model.pt`` stat'ed and read again after the kernel's
+    entries ran out (1 s): the lookups of both directories and of the file,
+    and the open, are answered by the request thread, none by a worker."""
+    m = mounts("w")
+    m.mount()
+    data = os.urandom(2 * 4096 + 3)
+    (m.mnt / "run" / "step-7").mkdir(parents=True)
+    (m.mnt / "run" / "step-7" / "model.pt").write_bytes(data)
+    m.cli("flush", str(m.mnt), "--wait")
+    assert _opens(str(m.mnt / "run" / "step-7" / "model.pt"), 1) == data
+    for _ in range(2):
+        time.sleep(1.3)  # past the entry timeout, and the check's reuse
+        before = m.stat()["fuse"]["requests"]
+        assert os.stat(m.mnt / "run" / "step-7" / "model.pt").st_size == len(data)
+        assert _opens(str(m.mnt / "run" / "step-7" / "model.pt"), 1) == data
+        after = m.stat()["fuse"]["requests"]
+        assert after["checked"] - before["checked"] >= 3, (before, after)
+        assert after["handled"] == before["handled"], (before, after)
+    m.umount()
 
 
 def test_a_torch_checkpoint_loads_whole_with_every_open_checked(mounts: Any) -> None:

@@ -115,22 +115,36 @@ def test_a_lookup_of_a_held_name_is_checked_off_the_loop(h: Harness) -> None:
     def declined(name: str, meanwhile: Any) -> None:
         ino, fh = opened(h, name)
         close(h, fh)
-        check = inline(h, fs.lookup_check_wanted, ROOT, name)
-        assert check is not None
-        entry = meanwhile(check) or fs.backing.entry_here(check.path)
-        before = (tables(h), fs.inodes[ino].nlookup)
-        assert inline(h, fs.lookup_checked, ROOT, name, check, entry) is None
-        assert (tables(h), fs.inodes[ino].nlookup) == before
+        _lookup_declined(h, name, ino, meanwhile)
 
     declined("v.pt", lambda check: rewrite_elsewhere(h, "v.pt", os.urandom(100)))
     assert h.call(fs.lookup, ROOT, "v.pt").size == 100
+    declined("w.pt", _renamed_meanwhile(h, "w.pt", "x.pt"))
+
+
+def _lookup_declined(h: Harness, name: str, ino: int, meanwhile: Any) -> None:
+    """A checked lookup of ``name`` (inode ``ino``) with ``meanwhile(check)``
+    run between its plan and its answer (returning the entry it read, or
+    None): declined, with nothing changed or counted."""
+    fs = h.core.fs
+    check = inline(h, fs.lookup_check_wanted, ROOT, name)
+    assert check is not None
+    entry = meanwhile(check) or fs.backing.entry_here(check.path)
+    before = (tables(h), fs.inodes[ino].nlookup)
+    assert inline(h, fs.lookup_checked, ROOT, name, check, entry) is None
+    assert (tables(h), fs.inodes[ino].nlookup) == before
+
+
+def _renamed_meanwhile(h: Harness, old: str, new: str) -> Any:
+    """A ``meanwhile`` for :func:`_lookup_declined`: the entry is read, then
+    the name renamed through the mount."""
 
     def renamed(check: Any) -> Any:
-        entry = fs.backing.entry_here(check.path)
-        h.call(fs.rename, ROOT, "w.pt", ROOT, "x.pt", 0)
+        entry = h.core.fs.backing.entry_here(check.path)
+        h.call(h.core.fs.rename, ROOT, old, ROOT, new, 0)
         return entry
 
-    declined("w.pt", renamed)
+    return renamed
 
 
 def test_a_lookup_of_a_held_directory_is_checked_off_the_loop(h: Harness) -> None:
@@ -157,30 +171,15 @@ def test_a_lookup_of_a_held_directory_is_checked_off_the_loop(h: Harness) -> Non
         got.mtime_ns,
     )
 
-    def declined(name: str, meanwhile: Any) -> int:
-        ino = h.call(fs.lookup, ROOT, name).ino
-        check = inline(h, fs.lookup_check_wanted, ROOT, name)
-        assert check is not None
-        entry = meanwhile(check) or fs.backing.entry_here(check.path)
-        before = (tables(h), fs.inodes[ino].nlookup)
-        assert inline(h, fs.lookup_checked, ROOT, name, check, entry) is None
-        assert (tables(h), fs.inodes[ino].nlookup) == before
-        return ino
-
     def replaced_elsewhere(check: Any) -> None:  # another node's rmdir, and a rename
         os.mkdir(fs.backing.root / "other")
         os.rmdir(fs.backing.root / "e")
         os.rename(fs.backing.root / "other", fs.backing.root / "e")
 
-    old = declined("e", replaced_elsewhere)
+    old = h.call(fs.lookup, ROOT, "e").ino
+    _lookup_declined(h, "e", old, replaced_elsewhere)
     assert h.call(fs.lookup, ROOT, "e").ino != old  # the loop binds the new one
-
-    def renamed(check: Any) -> Any:
-        entry = fs.backing.entry_here(check.path)
-        h.call(fs.rename, ROOT, "r", ROOT, "s", 0)
-        return entry
-
-    declined("r", renamed)
+    _lookup_declined(h, "r", h.call(fs.lookup, ROOT, "r").ino, _renamed_meanwhile(h, "r", "s"))
 
 
 def test_a_getattr_due_is_checked_off_the_loop(h: Harness, monkeypatch: Any) -> None:

@@ -59,7 +59,9 @@ class OneShotTimer:
             )
             return
         libc = ctypes.CDLL(None, use_errno=True)
-        self._settime = libc.timerfd_settime
+        # Set without letting go of the GIL (PyDLL): the call never blocks,
+        # and taking the GIL back could wait for the loop's thread.
+        self._settime = ctypes.PyDLL(None, use_errno=True).timerfd_settime
         self._settime.argtypes = [
             ctypes.c_int,
             ctypes.c_int,

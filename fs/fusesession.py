@@ -27,9 +27,9 @@ Who reads (``ReadMode``, one reader at a time):
   if no rename ran meanwhile and (open, lookup) the manifest still names our
   copy's version; else the loop answers it. Nobody reads /dev/fuse while it
   reads the store, so a timer bounds that (storecall.py): if the read runs
-  past ``STORE_CALL_WAIT`` the loop takes the reading (``Handed.TAKEN``),
-  answers the thread's request once its read returns, and gives the reading
-  back only after that.
+  past ``STORE_CALL_WAIT`` the loop takes the reading (``Handed.TAKEN``) and
+  the thread's request, which a worker answers at once, and gives the
+  reading back only once the read has returned.
 - LOOP: anything else (a request without an off-loop path, a fast path that
   declined, the state lock taken) goes to the loop with the reading itself:
   the thread parks, and worker tasks read, as below, until no request came
@@ -288,17 +288,24 @@ class Session:
         self._state_lock.acquire()
         try:
             if self.mode is ReadMode.THREAD and not self._stopping:
+                try:
+                    self._store_watch = StoreCallWatch(STORE_CALL_WAIT, STORE_CALL_COOLDOWN)
+                except OSError as exc:  # no timerfd: no thread that could hang the reading
+                    log.warning("no timer for the FUSE request thread (%s): the loop reads", exc)
+                    self.mode = ReadMode.LOOP
+            if self._store_watch is not None:
                 self._thread = RequestThread(self)
-                self._store_watch = StoreCallWatch(STORE_CALL_WAIT, STORE_CALL_COOLDOWN)
                 self._share_state(True)
                 self._thread.start()
-            async with trio.open_nursery() as workers:
-                self._workers = workers
-                if not self._stopping:
-                    self._add_worker()
-                    if self._store_watch is not None:
-                        workers.start_soon(self._watch_store_calls, self._store_watch)
-            self._workers = None
+            try:
+                async with trio.open_nursery() as workers:
+                    self._workers = workers
+                    if not self._stopping:
+                        self._add_worker()
+                        if self._store_watch is not None:
+                            workers.start_soon(self._watch_store_calls, self._store_watch)
+            finally:
+                self._workers = None
         finally:
             # The thread first: until it has ended it may take the lock
             # whenever the loop waits for I/O (here too, while it joins).
@@ -352,6 +359,11 @@ class Session:
         for scope in self._reading:
             scope.cancel()
         if self._thread is not None:
+            # A store call of the thread's still running: its request is the
+            # loop's from now on, so the thread, whenever the call returns,
+            # touches no state of a session that is ending.
+            assert self._store_watch is not None
+            self._store_watch.take_if_overrun(self._take_reading, now=True)
             self._thread.stop()
 
     def close(self) -> None:
@@ -545,7 +557,7 @@ class Session:
         lock held (taken without waiting, as every off-loop path does).
         Raises ReadingTaken if the read overran and the loop took the reading."""
         assert self._store_watch is not None
-        result = self._store_watch.run(checked.read, plan)
+        result = self._store_watch.run(checked.read, plan, req)
         if result is None or not self._state_lock.acquire(blocking=False):
             return False
         try:
@@ -611,31 +623,25 @@ class Session:
             finally:
                 self._reading.discard(scope)
 
-    def _take_reading(self) -> None:
-        """Under the watch's lock, the thread held up in the store: park it
-        and wake the reader, which waits for the thread's hand-over."""
+    def _take_reading(self, req: Request) -> None:
+        """Under the watch's lock, the thread held up in the store for
+        ``req``: park it, have a worker answer ``req`` now (with the loop's
+        timeouts; an INTERRUPT finds it in flight), and wake the reader,
+        which waits for the thread's hand-over."""
         assert self._thread is not None
         self._thread.park()
         self.mode = ReadMode.LOOP
+        # Off the thread's read buffer, which is its own again once its call
+        # returns (it drops the request then).
+        req.body = memoryview(bytes(req.body))
+        if self._workers is not None:
+            self._workers.start_soon(self._handle, req)
+        else:  # the session ends: no worker takes it
+            self._reply_error(req, errno.EIO)
         try:
             self._handed_send.send_nowait(Handed.TAKEN)
-        except trio.WouldBlock:
-            pass  # a hand-over is there: the reader takes it, then reads here
-
-    def give_late(self, req: Request) -> None:
-        """From the request thread, after its store call overran: the loop
-        answers ``req`` (the reading is the loop's already)."""
-        assert self._token is not None
-        try:
-            self._token.run_sync_soon(self._late, req)
-        except trio.RunFinishedError:
-            pass  # the session ended: the kernel failed the request
-
-    def _late(self, req: Request) -> None:
-        if self._workers is None:  # the session is ending: no worker takes it
-            self._reply_error(req, errno.EIO)
-            return
-        self._workers.start_soon(self._handle, req)
+        except trio.WouldBlock:  # the thread hands over only while it reads: a bug
+            log.error("the loop took the reading while a hand-over was pending")
 
     async def _handle(self, req: Request) -> None:
         self.counters.handled += 1
@@ -924,9 +930,7 @@ class RequestThread:
             req = _request(buf, n)
             try:
                 answered = session.answer_off_loop(req)
-            except ReadingTaken:  # parked by the loop, which reads meanwhile
-                buf = session._hand_on(req, buf)
-                session.give_late(req)
+            except ReadingTaken:  # parked; the loop answers req, and reads meanwhile
                 continue
             if answered:
                 # The caller was woken by the reply, often onto this CPU (a

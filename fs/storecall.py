@@ -10,9 +10,11 @@ thread waits in the store nobody reads /dev/fuse, and a hung NFS server
 would stop every open, read and stat of the mount, cached files included.
 So the thread arms a one-shot timerfd before each call; the loop waits on
 it, and if the call is still running when it fires the loop takes the
-reading over (``StoreCallWatch.take_if_overrun``). The call's own request is
-then answered by the loop once the call returns, and the thread reads again
-only after that, when the loop hands the reading back. No signal is used:
+reading over (``StoreCallWatch.take_if_overrun``) and answers the call's own
+request itself, at once (with its own timeouts, and interruptible as any
+request the loop handles); the thread drops that request when its call
+returns, and reads again only when the loop hands the reading back, which
+it does not while the call runs. No signal is used:
 a timerfd needs no handler in the main thread and kills nobody if it fires
 late.
 
@@ -119,8 +121,8 @@ class StoreCall(enum.Enum):
 
 
 class ReadingTaken(Exception):
-    """The thread's store call overran and the loop took the reading: the
-    thread hands the request to the loop, to be answered there, and parks."""
+    """The thread's store call overran: the loop took the reading and the
+    call's request (it answers it); the thread drops both, parked."""
 
 
 class StoreCallWatch:
@@ -137,6 +139,7 @@ class StoreCallWatch:
         self._lock = threading.Lock()
         self._since = 0.0  # monotonic: when the running call began
         self._calm_from = 0.0  # monotonic: calls are made again from then on
+        self._subject: Any = None  # what the running call is for (a request)
 
     # ----- the request thread ------------------------------------------------------------
     def usable(self) -> bool:
@@ -145,13 +148,15 @@ class StoreCallWatch:
         for ``wait`` at every call)."""
         return self.timer.fd >= 0 and time.monotonic() >= self._calm_from
 
-    def run(self, fn: Callable[[Any], Any], arg: Any) -> Any:
-        """``fn(arg)`` in this (the request) thread; raises ReadingTaken if
-        the loop took the reading meanwhile. Any exception of ``fn`` gives
-        None: the loop then makes the call itself, and reports what fails."""
+    def run(self, fn: Callable[[Any], Any], arg: Any, subject: Any) -> Any:
+        """``fn(arg)`` in this (the request) thread, for ``subject`` (what
+        the loop takes over with the reading); raises ReadingTaken if the
+        loop took it meanwhile. Any exception of ``fn`` gives None: the loop
+        then makes the call itself, and reports what fails."""
         with self._lock:
             self.state = StoreCall.RUNNING
             self._since = time.monotonic()
+            self._subject = subject
         self.calls += 1
         self.timer.arm(self.wait)
         try:
@@ -163,27 +168,32 @@ class StoreCallWatch:
             with self._lock:
                 overran = self.state is StoreCall.OVERRAN
                 self.state = StoreCall.IDLE
+                self._subject = None
+                if overran:  # the cooldown counts from here too: it may have run for long
+                    self._calm_from = max(self._calm_from, time.monotonic() + self.cooldown)
         if overran:
             raise ReadingTaken
         return result
 
     # ----- the loop ------------------------------------------------------------------------
-    def take_if_overrun(self, take: Callable[[], None]) -> bool:
-        """When the timer fired: if a call has run for ``wait``, mark it
-        OVERRAN and run ``take`` (the loop takes the reading and parks the
-        thread) under the lock, so before the thread can see the state;
-        whether it did."""
-        self.timer.drain()
+    def take_if_overrun(self, take: Callable[[Any], None], *, now: bool = False) -> bool:
+        """When the timer fired: if a call has run for ``wait`` (``now``:
+        whatever its time, as the session ends), mark it OVERRAN and run
+        ``take(subject)`` (the loop takes the reading and the call's
+        request, and parks the thread) under the lock, so before the thread
+        can see the state; whether it did."""
+        if not now:
+            self.timer.drain()
         with self._lock:
             if self.state is not StoreCall.RUNNING:
                 return False  # it ended before the loop woke
-            now = time.monotonic()
-            if now - self._since < self.wait:
+            t = time.monotonic()
+            if not now and t - self._since < self.wait:
                 return False  # an expiry of an earlier call, seen late
             self.state = StoreCall.OVERRAN
             self.overruns += 1
-            self._calm_from = now + self.cooldown
-            take()
+            self._calm_from = t + self.cooldown
+            take(self._subject)
         return True
 
     def may_resume(self, resume: Callable[[], None]) -> bool:

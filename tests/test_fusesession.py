@@ -5,6 +5,7 @@ ways a session ends."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -458,10 +459,10 @@ def test_a_store_read_of_the_thread_held_up_is_taken_over_by_the_loop(
     tmp_path: Path, monkeypatch: Any
 ) -> None:
     """The request thread's own store read (a due check of f) hangs: past
-    STORE_CALL_WAIT the loop reads, so other files open, read and stat
-    meanwhile; the held-up open is answered by the loop once the read
-    returns, and the thread reads again after that (no store reads of its
-    own within the cooldown)."""
+    STORE_CALL_WAIT the loop reads and answers the held-up open itself (its
+    own open, as for any declined fast path), other files open, read and
+    stat meanwhile, and the reading goes back to the thread only once the
+    read returned (no store reads of its own within the cooldown)."""
     monkeypatch.setattr(fusesession, "STORE_CALL_WAIT", 0.05)
     monkeypatch.setattr(fusesession, "STORE_CALL_COOLDOWN", 0.5)
     tiny = Tiny(b"abc")
@@ -475,24 +476,25 @@ def test_a_store_read_of_the_thread_held_up_is_taken_over_by_the_loop(
         assert tiny.checked_opens == 1 and tiny.store_reads == ["ckptfs-fuse"]
         _wait_for(lambda: session.mode is ReadMode.THREAD)
         tiny.store.clear()  # the store hangs
+        slow = tiny.slow_opens
         held: list[bytes] = []
         reader = threading.Thread(target=lambda: held.append((mnt / "f").read_bytes()))
         reader.start()
         try:
             _wait_for(lambda: session.counters.taken == 1)
-            start = time.monotonic()
-            for _ in range(5):  # meanwhile the loop answers everyone else
+            reader.join(TIMEOUT)
+            assert held == [b"abc"] and tiny.slow_opens == slow + 1  # answered by the loop
+            assert tiny.store.is_set() is False  # while the thread's read still hangs
+            for _ in range(5):  # the loop answers everyone else too
                 assert (mnt / "f1").read_bytes() == b"other"
                 assert os.stat(mnt).st_mode & stat.S_IFDIR
-            assert time.monotonic() - start < TIMEOUT / 2
-            assert session.mode is ReadMode.LOOP and not held
             time.sleep(4 * LOOP_IDLE)  # idle, but the thread is still held up: the loop reads on
-            assert session.mode is ReadMode.LOOP
+            assert session.mode is ReadMode.LOOP and tiny.checked_opens == 1
         finally:
             tiny.store.set()
             reader.join(TIMEOUT)
-        assert held == [b"abc"]
         _wait_for(lambda: session.mode is ReadMode.THREAD)  # given back once the read returned
+        assert tiny.checked_opens == 1  # the thread dropped the request the loop answered
         slow = tiny.slow_opens
         assert (mnt / "f").read_bytes() == b"abc"  # in the cooldown: the loop checks it
         assert tiny.slow_opens == slow + 1 and len(tiny.store_reads) == 2
@@ -501,6 +503,48 @@ def test_a_store_read_of_the_thread_held_up_is_taken_over_by_the_loop(
         assert (mnt / "f").read_bytes() == b"abc"  # past it: the thread again
         assert len(tiny.store_reads) == 3 and tiny.checked_opens == 2
         assert session.counters.taken == 1
+
+
+def test_a_session_ends_cleanly_while_the_thread_is_held_up_in_the_store(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """terminate() while the thread's store read hangs (not yet overrun):
+    the loop takes the read's request at once and answers it, the session
+    ends, and the thread, when its read returns, touches nothing."""
+    monkeypatch.setattr(fusesession, "STORE_CALL_WAIT", 30.0)
+    monkeypatch.setattr(fusesession, "THREAD_JOIN", 0.2)
+    tiny = Tiny(b"abc")
+    tiny.checked = True
+    tiny.decline = True
+    held: list[object] = []
+    with served(tmp_path, tiny) as (mnt, session, _):
+        assert (mnt / "f").read_bytes() == b"abc"
+        _wait_for(lambda: session.mode is ReadMode.THREAD)
+        reads = len(tiny.store_reads)
+        tiny.store.clear()
+
+        def read() -> None:  # an open only: nobody reads its READ or FLUSH once it ends
+            try:
+                held.append(os.open(mnt / "f", os.O_RDONLY))
+            except OSError as exc:
+                held.append(exc)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        _wait_for(lambda: len(tiny.store_reads) == reads + 1)  # the thread is in its read
+        checked = tiny.checked_opens
+        session.terminate()
+        reader.join(TIMEOUT)
+        assert len(held) == 1 and isinstance(held[0], int), held  # opened
+        assert session.counters.taken == 0
+        assert session._store_watch is not None
+        assert session._store_watch.overruns == 1  # taken as the session ended
+    with contextlib.suppress(OSError):
+        os.close(held[0])  # the connection is gone
+    tiny.store.set()  # the read returns after the session ended
+    time.sleep(0.2)
+    assert tiny.checked_opens == checked  # nothing answered from the thread
+    assert not reader.is_alive()
 
 
 def test_hand_overs_and_takeovers_under_many_callers_lose_no_request(
@@ -548,8 +592,7 @@ def test_hand_overs_and_takeovers_under_many_callers_lose_no_request(
         flipper.start()
         try:
             procs = [
-                subprocess.Popen([sys.executable, "-c", script, str(mnt), str(k)])
-                for k in range(4)
+                subprocess.Popen([sys.executable, "-c", script, str(mnt), str(k)]) for k in range(4)
             ]
             for p in procs:
                 assert p.wait(timeout=120) == 0

@@ -632,35 +632,32 @@ class FileSystem:
         same file at the same version, at the same inode (bound as lookup's
         bind does, nlookup counted), if nothing was renamed or removed
         meanwhile; else None, and the loop looks it up the usual way."""
-        inode = check.inode
-        if self.inodes.child(parent, name) is not inode:
-            return None
-        if inode.kind == "dir":
-            same = (
-                self.ns_lock.stable_since(check.generation)
-                and entry.kind == "dir"
-                and entry.ident == inode.ident
-            )
-            if not same:
-                return None
-        elif not self._still_checked(check, entry):
+        if self.inodes.child(parent, name) is not check.inode or not self._still_checked(
+            check, entry
+        ):
             return None
         bound = self._bind(parent, name, entry)  # the same inode: same ident and kind
         bound.nlookup += 1
         return self._attr(bound, entry)
 
     def _still_checked(self, check: CheckPlan, entry: Entry) -> bool:
-        """Whether ``entry`` shows ``check``'s file at the version we hold,
-        with nothing renamed or removed, nor written here, since the plan."""
+        """Whether ``entry`` shows ``check``'s inode as it was, with nothing
+        renamed or removed since the plan: the same directory, or the same
+        file at the version we hold, not written here meanwhile."""
         inode, f = check.inode, check.f
-        m = entry.manifest
-        return (
+        if not (
             self.ns_lock.stable_since(check.generation)
-            and inode.file is f
-            and _plain_reader_case(inode, f)
-            and m is not None
             and entry.kind == inode.kind
             and entry.ident == inode.ident
+        ):
+            return False
+        if f is None:  # a directory's plan
+            return inode.kind == "dir"
+        m = entry.manifest
+        return (
+            inode.file is f
+            and _plain_reader_case(inode, f)
+            and m is not None
             and (m.file_id, m.version) == (f.file_id, f.version)
             and self.cache.files.get(f.file_id) is f
         )

@@ -21,7 +21,7 @@ Who reads (``ReadMode``, one reader at a time):
   costs one wake-up of a thread that goes back to sleep as soon as it has
   written the reply, instead of a turn of the loop before and after. An
   open whose manifest check is due (close-to-open), a lookup of a name whose
-  file we hold, and a stat that needs the store (``Handlers.off_loop_checked``,
+  file or directory we hold, and a stat that needs the store (``Handlers.off_loop_checked``,
   ``CheckedPath``): the thread lets go of the lock, reads the entry itself
   (none while the store is unhealthy) and answers with the lock taken again,
   if no rename ran meanwhile and (open, lookup) the manifest still names our
@@ -206,9 +206,10 @@ class Handlers:
 class CheckedPath:
     """An off-loop answer that needs one short backing-store read first
     (an open whose manifest check is due): ``plan`` (state lock held) says
-    what to read, or None; ``read`` reads it with the lock let go (blocking
-    briefly at most; None: not now); ``finish`` (the lock held again)
-    answers with it, or declines (None) if the state moved meanwhile."""
+    what to read, or None; ``read`` reads it with the lock let go (a
+    blocking call, bounded by the session's StoreCallWatch; None: not now);
+    ``finish`` (the lock held again) answers with it, or declines (None) if
+    the state moved meanwhile."""
 
     plan: Callable[[Request], Any]
     read: Callable[[Any], Any]

@@ -138,6 +138,25 @@ def fast(fn: Callable[[Operations, Request], T]) -> Callable[..., T | None]:
     return wrapper
 
 
+def finishing(
+    op: str,
+) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """For a CheckedPath's finish (request, plan, entry): an exception is
+    the reply's errno, logged as ``op``'s (as :func:`fast` does)."""
+
+    def wrap(fn: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(fn)
+        def wrapper(self: Operations, req: Request, check: CheckPlan, found: Entry) -> T:
+            try:
+                return fn(self, req, check, found)
+            except Exception as exc:
+                raise _failed(op, self.fs, req, exc) from None
+
+        return wrapper
+
+    return wrap
+
+
 def _writes(flags: int) -> bool:
     """Whether an open with ``flags`` gets a handle that writes (FileSystem.open)."""
     return (flags & os.O_ACCMODE) != os.O_RDONLY
@@ -251,11 +270,9 @@ class Operations:
     def lookup_check_plan(self, req: Request) -> CheckPlan | None:
         return self.fs.lookup_check_wanted(req.nodeid, _one_name(req))
 
+    @finishing("lookup")
     def lookup_checked(self, req: Request, check: CheckPlan, found: Entry) -> Reply | None:
-        try:
-            attr = self.fs.lookup_checked(req.nodeid, _one_name(req), check, found)
-        except Exception as exc:
-            raise _failed("lookup", self.fs, req, exc) from None
+        attr = self.fs.lookup_checked(req.nodeid, _one_name(req), check, found)
         return None if attr is None else entry(attr)
 
     @handler
@@ -265,11 +282,9 @@ class Operations:
     def getattr_check_plan(self, req: Request) -> CheckPlan | None:
         return self.fs.getattr_check_wanted(req.nodeid)
 
+    @finishing("getattr")
     def getattr_checked(self, req: Request, check: CheckPlan, found: Entry) -> Reply | None:
-        try:
-            attr = self.fs.getattr_checked(check, found)
-        except Exception as exc:
-            raise _failed("getattr", self.fs, req, exc) from None
+        attr = self.fs.getattr_checked(check, found)
         return None if attr is None else attributes(attr)
 
     @fast
@@ -437,13 +452,10 @@ class Operations:
     def check_read(self, check: CheckPlan) -> Entry | None:
         return self.fs.backing.entry_here(check.path)
 
+    @finishing("open")
     def open_checked(self, req: Request, check: CheckPlan, found: Entry) -> Reply | None:
         flags, _ = abi.OPEN_IN.unpack_from(req.body)
-        try:
-            opened = self.fs.open_checked(check, found, _caller(req))
-        except Exception as exc:
-            raise _failed("open", self.fs, req, exc) from None
-        return self._opened(flags, opened)
+        return self._opened(flags, self.fs.open_checked(check, found, _caller(req)))
 
     @handler
     async def read(self, req: Request) -> Reply:

@@ -100,13 +100,7 @@ def test_a_lookup_of_a_held_name_is_checked_off_the_loop(h: Harness) -> None:
     attr = inline(h, fs.lookup_checked, ROOT, "l.pt", check, entry)
     assert attr is not None and attr.ino == ino
     assert inode.nlookup == nlookup + 1 and inode.checked_at == entry.read_at
-    on_loop = h.call(fs.lookup, ROOT, "l.pt")
-    assert (on_loop.ino, on_loop.size, on_loop.mode, on_loop.mtime_ns) == (
-        attr.ino,
-        attr.size,
-        attr.mode,
-        attr.mtime_ns,
-    )
+    _same(h.call(fs.lookup, ROOT, "l.pt"), attr, "ino", "size", "mode", "mtime_ns")
     assert inode.nlookup == nlookup + 2
     assert inline(h, fs.lookup_check_wanted, ROOT, "missing.pt") is None  # a new name
 
@@ -120,6 +114,11 @@ def test_a_lookup_of_a_held_name_is_checked_off_the_loop(h: Harness) -> None:
     declined("v.pt", lambda check: rewrite_elsewhere(h, "v.pt", os.urandom(100)))
     assert h.call(fs.lookup, ROOT, "v.pt").size == 100
     declined("w.pt", _renamed_meanwhile(h, "w.pt", "x.pt"))
+
+
+def _same(on_loop: Any, off_loop: Any, *fields: str) -> None:
+    """The loop's answer and the thread's agree on ``fields``."""
+    assert [getattr(on_loop, k) for k in fields] == [getattr(off_loop, k) for k in fields]
 
 
 def _lookup_declined(h: Harness, name: str, ino: int, meanwhile: Any) -> None:
@@ -163,13 +162,7 @@ def test_a_lookup_of_a_held_directory_is_checked_off_the_loop(h: Harness) -> Non
     entry = fs.backing.entry_here(check.path)
     got = inline(h, fs.lookup_checked, ROOT, "d", check, entry)
     assert got is not None and got.ino == attr.ino and inode.nlookup == nlookup + 1
-    on_loop = h.call(fs.lookup, ROOT, "d")
-    assert (on_loop.ino, on_loop.mode, on_loop.nlink, on_loop.mtime_ns) == (
-        got.ino,
-        got.mode,
-        got.nlink,
-        got.mtime_ns,
-    )
+    _same(h.call(fs.lookup, ROOT, "d"), got, "ino", "mode", "nlink", "mtime_ns")
 
     def replaced_elsewhere(check: Any) -> None:  # another node's rmdir, and a rename
         os.mkdir(fs.backing.root / "other")
@@ -196,13 +189,7 @@ def test_a_getattr_due_is_checked_off_the_loop(h: Harness, monkeypatch: Any) -> 
     assert entry is not None
     attr = inline(h, fs.getattr_checked, check, entry)
     assert attr is not None and fs.inodes[ino].checked_at == entry.read_at
-    on_loop = h.call(fs.getattr, ino)
-    assert (attr.ino, attr.size, attr.mode, attr.mtime_ns) == (
-        on_loop.ino,
-        on_loop.size,
-        on_loop.mode,
-        on_loop.mtime_ns,
-    )
+    _same(h.call(fs.getattr, ino), attr, "ino", "size", "mode", "mtime_ns")
     root = inline(h, fs.getattr_check_wanted, ROOT)
     assert root.path == ""
     root_entry = fs.backing.entry_here(root.path)

@@ -139,6 +139,7 @@ class Handed(enum.Enum):
 
     GONE = "the connection is gone"
     TAKEN = "the loop took the reading: the thread's store call overran"
+    FAILED = "the request thread failed: the loop reads for good"
 
 
 class ReadMode(enum.Enum):
@@ -227,6 +228,7 @@ class Counters:
     spun: int = 0  # read by the request thread while it spun after an answer
     thread_waits: int = 0  # the request thread's waits in poll(2)
     taken: int = 0  # readings the loop took from the thread, held up in the store
+    thread_failures: int = 0  # the request thread failed (a bug): the loop reads for good
     interrupts: int = 0  # INTERRUPTs for a stop signal, of a request a handler still had
     signals_ignored: int = 0  # INTERRUPTs for another signal (see interrupts.py)
     workers: int = 0  # worker tasks started so far
@@ -436,17 +438,25 @@ class Session:
                     return None
                 if received is Handed.TAKEN:
                     continue  # read here while the thread is held up
+                if received is Handed.FAILED:
+                    self.counters.thread_failures += 1
+                    continue  # read here from now on (_thread_may_read)
                 req = received
             if not self._answer_inline(req):
                 if read_here:
                     self._read_buf = self._hand_on(req, self._read_buf)
                 return req  # (the thread made the body of its own safe)
-            if self._thread is not None:
+            if self._thread_may_read():
                 self._give_to_thread()  # a small request: the caller's next one is too
             served += 1
             if served % YIELD_EVERY == 0:
                 await trio.lowlevel.checkpoint()  # the other tasks' turn
         return None
+
+    def _thread_may_read(self) -> bool:
+        """Whether the loop gives the reading back to a request thread when
+        it has no more to do (not to a thread that failed)."""
+        return self._thread is not None and not self._thread.failed
 
     def _give_to_thread(self) -> None:
         """The request thread reads from here on, unless it is still held up
@@ -474,7 +484,7 @@ class Session:
         runs out, and gives the reading back to the request thread once no
         request came for LOOP_IDLE (the loop reads on after a request that
         needed a worker: a save's next WRITE is on its way)."""
-        idle_until = trio.current_time() + LOOP_IDLE if self._thread is not None else math.inf
+        idle_until = trio.current_time() + LOOP_IDLE if self._thread_may_read() else math.inf
         burst = self._burst
         while True:
             held = burst.remaining() if burst is not None else None
@@ -857,6 +867,10 @@ class RequestThread:
         self._go.set()
         self._stopping = False
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        # Set by this thread, once, before it hands the reading to the loop
+        # for good (Handed.FAILED): the loop then never gives it back.
+        self.failed = False
+        self._unanswered: Request | None = None  # read here, not yet answered nor handed on
         self._thread = threading.Thread(target=self._main, name="ckptfs-fuse", daemon=True)
 
     def start(self) -> None:
@@ -890,6 +904,28 @@ class RequestThread:
         return self._thread.is_alive()
 
     def _main(self) -> None:
+        try:
+            self._serve()
+        except Exception as exc:  # a bug; without this, nobody would read /dev/fuse
+            self._fail(exc)
+
+    def _fail(self, exc: Exception) -> None:
+        """Hand the reading to the loop for good; the request this thread
+        was answering gets EIO (if it was answered already, the kernel
+        drops the second reply), so that its caller is not left waiting."""
+        req, self._unanswered = self._unanswered, None
+        log.error(
+            "the FUSE request thread failed%s: the loop reads every request from now on",
+            "" if req is None else f" on {_name(req.op)} of inode {req.nodeid}",
+            exc_info=exc,
+        )
+        if req is not None:
+            self.session._reply_error(req, errno.EIO)
+        self.failed = True
+        self._go.clear()
+        self.session.give_to_loop(Handed.FAILED)
+
+    def _serve(self) -> None:
         session = self.session
         burst = session._burst
         counters = session.counters
@@ -928,11 +964,13 @@ class RequestThread:
             if spinning:
                 counters.spun += 1
                 spinning = False
-            req = _request(buf, n)
+            req = self._unanswered = _request(buf, n)
             try:
                 answered = session.answer_off_loop(req)
             except ReadingTaken:  # parked; the loop answers req, and reads meanwhile
+                self._unanswered = None
                 continue
+            self._unanswered = None
             if answered:
                 # The caller was woken by the reply, often onto this CPU (a
                 # waker's CPU is where the scheduler tends to put it): let it
@@ -1003,6 +1041,7 @@ def describe(session: Session | None) -> dict[str, Any]:
             "stateless": c.stateless,
             "spun": c.spun,
             "taken": c.taken,
+            "thread_failures": c.thread_failures,
             "interrupts": c.interrupts,
             "signals_ignored": c.signals_ignored,
         },

@@ -878,6 +878,38 @@ def test_a_handler_bug_still_answers_the_caller(tmp_path: Path) -> None:
         assert _is_mounted(mnt)
 
 
+def test_a_bug_in_the_request_thread_leaves_the_loop_reading(
+    tmp_path: Path, monkeypatch: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An exception out of the request thread's own code (not a handler's,
+    which becomes the reply's errno) must not leave /dev/fuse unread: the
+    request it was on gets EIO, the loop reads every request from then on,
+    and the failure is logged and counted."""
+    tiny = Tiny(b"abc")
+    tiny.off_loop = True
+    with served(tmp_path, tiny) as (mnt, session, _):
+        assert (mnt / "f").read_bytes() == b"abc"
+        _wait_for(lambda: session.mode is ReadMode.THREAD)
+        answer = Session.answer_off_loop
+
+        def broken(self: Session, req: Any) -> bool:
+            if req.op == Op.OPEN and threading.current_thread().name == "ckptfs-fuse":
+                raise RuntimeError("a bug in the thread")
+            return answer(self, req)
+
+        monkeypatch.setattr(Session, "answer_off_loop", broken)
+        err = _bounded(os.open, mnt / "f", os.O_RDONLY)
+        assert isinstance(err, OSError) and err.errno == errno.EIO
+        _wait_for(lambda: session.counters.thread_failures == 1)
+        for _ in range(5):  # answered by the loop, whatever the gaps between them
+            assert (mnt / "f").read_bytes() == b"abc"
+            time.sleep(2 * LOOP_IDLE)
+        assert session.mode is ReadMode.LOOP
+        assert session.counters.thread_failures == 1
+        assert "the FUSE request thread failed on OPEN of inode 2" in caplog.text
+        assert "a bug in the thread" in caplog.text
+
+
 @contextmanager
 def fusectl() -> Iterator[Path]:
     """/sys/fs/fuse/connections, mounted for the test if it is not."""

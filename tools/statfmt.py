@@ -38,7 +38,13 @@ def requests_text(fuse: dict[str, Any]) -> str:
     return (
         f"requests: {r['fast']} answered inline ({r.get('thread', 0)} by the request thread, "
         f"{r.get('checked', 0)} of them after its own store read; "
-        f"{r.get('taken', 0)} such read(s) ran so long that the loop took the reading), "
+        f"{r.get('taken', 0)} such read(s) ran so long that the loop took the reading"
+        + (
+            f"; the thread FAILED {r['thread_failures']} time(s): the loop reads for good"
+            if r.get("thread_failures")
+            else ""
+        )
+        + "), "
         f"{r['handled']} by {fuse['workers']} "
         f"worker task(s) ({r['declined']} declined by a fast path), {r['stateless']} stateless, "
         f"{r.get('spun', 0)} found by the request thread while it spun, "

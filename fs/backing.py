@@ -14,7 +14,7 @@ import os
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .blocking import BackingIO, Call
@@ -50,7 +50,9 @@ class Entry:
         m = self.manifest
         if m is None or not (m.chunks or m.holders):
             return self
-        return replace(self, manifest=replace(m, chunks=[], holders=[]))
+        # Built directly: dataclasses.replace costs several times as much, and
+        # this runs at each open's check.
+        return Entry(self.kind, self.st, m.without_chunks(), self.read_at)
 
     @property
     def ident(self) -> tuple[str, object]:
@@ -111,7 +113,7 @@ def _read_entry(root: int, rel: str) -> Entry:
             raise
         try:
             st = os.fstat(fd)
-            manifest = PARSED.read(fd, rel)
+            manifest = PARSED.read(fd, rel, st)
         except ManifestError as exc:
             raise OSError(errno.EIO, f"unreadable manifest: {exc}") from None
         finally:

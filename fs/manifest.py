@@ -64,6 +64,19 @@ class Manifest:
             del body["atime_ns"]
         return MAGIC + json.dumps(body, separators=(",", ":")).encode() + b"\n"
 
+    def without_chunks(self) -> Manifest:
+        """A copy without the chunk list and holders (what a check keeps)."""
+        return Manifest(
+            file_id=self.file_id,
+            version=self.version,
+            size=self.size,
+            mode=self.mode,
+            mtime_ns=self.mtime_ns,
+            state=self.state,
+            chunking=self.chunking,
+            atime_ns=self.atime_ns,
+        )
+
     @property
     def atime(self) -> int:
         return self.mtime_ns if self.atime_ns is None else self.atime_ns
@@ -167,9 +180,10 @@ class ParsedManifests:
     def identity(st: os.stat_result) -> tuple[int, ...]:
         return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
-    def read(self, fd: int, where: str) -> Manifest | None:
-        """The manifest in ``fd``, parsed once per identity."""
-        key = self.identity(os.fstat(fd))
+    def read(self, fd: int, where: str, st: os.stat_result | None = None) -> Manifest | None:
+        """The manifest in ``fd`` (whose fstat is ``st``, if the caller has
+        it), parsed once per identity."""
+        key = self.identity(os.fstat(fd) if st is None else st)
         with self._lock:
             if key in self._items:
                 self._items.move_to_end(key)

@@ -3,6 +3,7 @@ and manifests that are never torn."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 import threading
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from ckptfs.fs.backing import Backing
+from ckptfs.fs.backing import Backing, Entry
 from ckptfs.fs.blocking import BackingIO
 from ckptfs.fs.manifest import Chunk, Manifest, read_manifest, write_manifest
 
@@ -107,3 +108,27 @@ def test_background_work_runs_at_a_lower_priority_and_restores_it(monkeypatch):
     # Where the priority cannot be restored, nothing is lowered, and the work still runs.
     monkeypatch.setattr(blocking, "_renice", False)
     assert blocking.in_background(nice)() == base
+
+
+def test_a_kept_entry_drops_only_the_chunk_list_and_holders() -> None:
+    """What a check keeps (Entry.kept) has every other field of the manifest,
+    whatever fields the manifest gains."""
+    m = Manifest(
+        file_id="f1",
+        version="v2",
+        size=3,
+        mode=0o100640,
+        mtime_ns=5,
+        state="durable",
+        holders=["node-a"],
+        chunks=[Chunk(0, 3, "h")],
+        chunking="cdc",
+        atime_ns=7,
+    )
+    entry = Entry("file", os.stat("/"), m, read_at=11.0)
+    kept = entry.kept()
+    assert (kept.kind, kept.st, kept.read_at) == ("file", entry.st, 11.0)
+    assert kept.manifest is not None
+    assert dataclasses.replace(kept.manifest, chunks=m.chunks, holders=m.holders) == m
+    assert (kept.manifest.chunks, kept.manifest.holders) == ([], [])
+    assert m.chunks and m.holders  # the entry read is not changed

@@ -180,9 +180,9 @@ def test_a_check_is_as_old_as_the_read_that_made_it(h: Harness, monkeypatch) -> 
     close(h, fh)
     real = backing_mod.PARSED.read
 
-    def slow(fd: int, rel: str):  # type: ignore[no-untyped-def]
+    def slow(fd: int, rel: str, st: os.stat_result | None = None):  # type: ignore[no-untyped-def]
         time.sleep(h.config.open_recheck + 0.05)
-        return real(fd, rel)
+        return real(fd, rel, st)
 
     monkeypatch.setattr(backing_mod.PARSED, "read", slow)
     h.call(fs.lookup, ROOT, "model.pt")

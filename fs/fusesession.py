@@ -970,8 +970,8 @@ class RequestThread:
             except ReadingTaken:  # parked; the loop answers req, and reads meanwhile
                 self._unanswered = None
                 continue
-            self._unanswered = None
             if answered:
+                self._unanswered = None
                 # The caller was woken by the reply, often onto this CPU (a
                 # waker's CPU is where the scheduler tends to put it): let it
                 # run before the hold's bookkeeping, and spin only if it did
@@ -984,6 +984,7 @@ class RequestThread:
                 continue
             buf = session._hand_on(req, buf)
             self._go.clear()
+            self._unanswered = None  # the loop's from here on
             session.give_to_loop(req)
 
 

@@ -878,35 +878,56 @@ def test_a_handler_bug_still_answers_the_caller(tmp_path: Path) -> None:
         assert _is_mounted(mnt)
 
 
+@pytest.mark.parametrize("where", ["answering", "handing on"])
 def test_a_bug_in_the_request_thread_leaves_the_loop_reading(
-    tmp_path: Path, monkeypatch: Any, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, monkeypatch: Any, caplog: pytest.LogCaptureFixture, where: str
 ) -> None:
     """An exception out of the request thread's own code (not a handler's,
-    which becomes the reply's errno) must not leave /dev/fuse unread: the
-    request it was on gets EIO, the loop reads every request from then on,
-    and the failure is logged and counted."""
+    which becomes the reply's errno), while it answers a request or hands
+    one to the loop, must not leave /dev/fuse unread: that request gets
+    EIO, the loop reads every request from then on, and the failure is
+    logged and counted."""
     tiny = Tiny(b"abc")
     tiny.off_loop = True
     with served(tmp_path, tiny) as (mnt, session, _):
         assert (mnt / "f").read_bytes() == b"abc"
         _wait_for(lambda: session.mode is ReadMode.THREAD)
-        answer = Session.answer_off_loop
 
-        def broken(self: Session, req: Any) -> bool:
-            if req.op == Op.OPEN and threading.current_thread().name == "ckptfs-fuse":
-                raise RuntimeError("a bug in the thread")
-            return answer(self, req)
+        def in_thread() -> bool:
+            return threading.current_thread().name == "ckptfs-fuse"
 
-        monkeypatch.setattr(Session, "answer_off_loop", broken)
-        err = _bounded(os.open, mnt / "f", os.O_RDONLY)
-        assert isinstance(err, OSError) and err.errno == errno.EIO
+        if where == "answering":
+            answer = Session.answer_off_loop
+
+            def broken_answer(self: Session, req: Any) -> bool:
+                if req.op == Op.OPEN and in_thread():
+                    raise RuntimeError("a bug in the thread")
+                return answer(self, req)
+
+            monkeypatch.setattr(Session, "answer_off_loop", broken_answer)
+            failing: Any = (os.open, mnt / "f", os.O_RDONLY)
+            named = "on OPEN of inode 2"
+        else:
+            hand_on = Session._hand_on
+
+            def broken_hand_on(self: Session, req: Any, buf: bytearray) -> bytearray:
+                if in_thread():
+                    raise RuntimeError("a bug in the thread")
+                return hand_on(self, req, buf)
+
+            monkeypatch.setattr(Session, "_hand_on", broken_hand_on)
+            failing = (os.stat, mnt / "f7")  # a new name: its LOOKUP is the loop's
+            named = f"on LOOKUP of inode {abi.ROOT_ID}"
+        err = _bounded(*failing)
+        assert isinstance(err, OSError) and err.errno == errno.EIO, err
         _wait_for(lambda: session.counters.thread_failures == 1)
-        for _ in range(5):  # answered by the loop, whatever the gaps between them
+        for i in range(5):  # answered by the loop, whatever the gaps between them
             assert (mnt / "f").read_bytes() == b"abc"
+            assert stat.S_ISREG(os.stat(mnt / f"f{i + 10}").st_mode)
             time.sleep(2 * LOOP_IDLE)
         assert session.mode is ReadMode.LOOP
         assert session.counters.thread_failures == 1
-        assert "the FUSE request thread failed on OPEN of inode 2" in caplog.text
+        assert f"the FUSE request thread failed {named}" in caplog.text
         assert "a bug in the thread" in caplog.text
 
 

@@ -595,7 +595,8 @@ class Session:
 
     def give_to_loop(self, req: Request | Handed) -> None:
         """From the request thread, which parked: the loop reads from here on,
-        starting with ``req`` (Handed.GONE: the connection is gone)."""
+        starting with ``req``, or told why by ``Handed`` (the connection is
+        gone; the thread failed)."""
         assert self._token is not None
         try:
             self._token.run_sync_soon(self._handed, req)

@@ -35,16 +35,13 @@ def cpu_latency_text(cpu: dict[str, Any], key: str = "fuse.cpu_latency_hold") ->
 def requests_text(fuse: dict[str, Any]) -> str:
     """How the FUSE requests were answered (fs/fusesession.py)."""
     r = fuse["requests"]
+    failed = r.get("thread_failures", 0)
+    failures = f"; the thread FAILED {failed} time(s): the loop reads for good" if failed else ""
     return (
         f"requests: {r['fast']} answered inline ({r.get('thread', 0)} by the request thread, "
         f"{r.get('checked', 0)} of them after its own store read; "
         f"{r.get('taken', 0)} such read(s) ran so long that the loop took the reading"
-        + (
-            f"; the thread FAILED {r['thread_failures']} time(s): the loop reads for good"
-            if r.get("thread_failures")
-            else ""
-        )
-        + "), "
+        f"{failures}), "
         f"{r['handled']} by {fuse['workers']} "
         f"worker task(s) ({r['declined']} declined by a fast path), {r['stateless']} stateless, "
         f"{r.get('spun', 0)} found by the request thread while it spun, "

@@ -855,6 +855,8 @@ class FileSystem:
             raise FsError(errno.EIO, exc.strerror, logged=True) from None
         except ChunkCorrupt as exc:
             raise FsError(errno.EIO, f"{f.path}: {exc}", logged=True) from None
+        except Interrupted:
+            raise  # the caller's Ctrl-C (EINTR), not a failure of the store
         except OSError as exc:
             raise FsError(errno.EIO, f"{f.path}: {exc}") from None
 

@@ -15,6 +15,11 @@ wait behind the queue. A fill that fails removes the frame: the readers that
 waited for it get the error (EIO, never the bytes), and a later reader tries
 the store again.
 
+A FUSE reader's Ctrl-C ends its wait in the store (interrupts.py), whether
+it fills the frame or waits for another's fill: a chunk read is abandoned
+as after a timeout (its slots stay pinned until the thread returns). Other
+readers of that frame are not interrupted: they fill it again themselves.
+
 A reader never waits for memory: if no slot can be freed for a frame, the
 reader gets None and reads its range through a bounded bounce buffer instead
 (still verified, see ChunkStore.read_range).
@@ -35,6 +40,7 @@ import trio
 from .arena import Arena
 from .blocking import BackingIO, Call, on_loop_later
 from .chunkstore import DIRECT_ALIGN, ChunkCorrupt, ChunkStore
+from .interrupts import Interrupted, interruptible
 from .manifest import Chunk
 
 log = logging.getLogger("ckptfs.frames")
@@ -196,7 +202,7 @@ class FrameCache:
         except BaseException as exc:
             frame.failure = exc
             self._forget(frame)
-            if isinstance(exc, Exception):
+            if isinstance(exc, Exception) and not isinstance(exc, Interrupted):
                 self.failed += 1
             raise
         else:
@@ -231,12 +237,14 @@ class FrameCache:
                 await self.fill(frame, what)
                 continue
             self.waits += 1
-            await frame.done.wait()
+            with interruptible(f"read chunk of {what}"):
+                await frame.done.wait()
             failure = frame.failure
-            if failure is not None and isinstance(failure, Exception):
+            if isinstance(failure, Exception) and not isinstance(failure, Interrupted):
                 raise shared_error(failure)
             # Ready (look again: it may have been evicted meanwhile), or the
-            # task that filled it was cancelled: try again.
+            # task that filled it was cancelled or its caller interrupted:
+            # try again.
 
     async def _read_into(self, frame: Frame, what: str) -> None:
         chunk = frame.chunk
@@ -259,6 +267,7 @@ class FrameCache:
                 ),
                 what=f"read chunk of {what}",
                 call=call,
+                interruptible=True,
             )
         finally:
             if not call.abandoned():
@@ -297,6 +306,7 @@ class FrameCache:
         data = await self.io.run(
             lambda: self.store.read_range(chunk.hash, chunk.length, start, count, what=what),
             what=f"read chunk of {what}",
+            interruptible=True,
         )
         self.reads += 1
         self.streamed += 1

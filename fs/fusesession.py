@@ -823,13 +823,20 @@ class Session:
             return
         # What libfuse 3.14 asks for by default (and pyfuse3 with it), so the
         # kernel behaves as it did under pyfuse3: readdirplus only, atomic
-        # O_TRUNC, the filesystem clears setuid/setgid on writes.
+        # O_TRUNC, the filesystem clears setuid/setgid on writes. But not
+        # ASYNC_DIO: with it an O_DIRECT read or write is sent as background
+        # requests and its caller waits for them in state D, deaf to every
+        # signal, SIGKILL included, for as long as the store hangs (up to
+        # backing_timeout, and Slurm drains a node whose job outlives its
+        # kill by UnkillableStepTimeout). Without it the caller's own
+        # request gets INTERRUPT like any other (test_interrupts), for
+        # about 5-10% of O_DIRECT read throughput from RAM
+        # (docs/PERFORMANCE.md).
         want = (
             abi.ASYNC_READ
             | abi.PARALLEL_DIROPS
             | abi.AUTO_INVAL_DATA
             | abi.HANDLE_KILLPRIV
-            | abi.ASYNC_DIO
             | abi.HAS_IOCTL_DIR
             | abi.ATOMIC_O_TRUNC
             | abi.DO_READDIRPLUS

@@ -4,7 +4,11 @@ When a process blocked in a FUSE request gets a signal (Ctrl-C of a training
 job stuck in a save), the kernel sends FUSE_INTERRUPT naming that request and
 keeps the process waiting for the reply. Ignoring it leaves Ctrl-C without
 effect for as long as the wait lasts: a write in backpressure while the
-backing store is down, a close at ``durability: backing``.
+backing store is down, a close at ``durability: backing``, a read of a
+chunk from a store that hangs. (The kernel sends INTERRUPT only for a
+request its caller waits for itself: never for the read-ahead behind a
+buffered read, which only SIGKILL ends, nor, with ASYNC_DIO, for O_DIRECT
+I/O, which is why the session does not ask for it.)
 
 Only signals that ask the process to stop count: SIGINT, SIGTERM, SIGHUP,
 SIGQUIT, and any fatal one (the kernel then marks SIGKILL pending, and

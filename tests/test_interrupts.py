@@ -7,7 +7,8 @@ job ends those waits at once (EINTR, or a short write), so Ctrl-C works as on
 a local disk instead of when the store comes back. Nothing the job wrote
 before is lost: once the store answers again the file is published and
 flushed, and a cold remount reads back exactly the bytes the job wrote. The
-same for a close waiting at ``durability: backing``.
+same for a close waiting at ``durability: backing``, and for loads of a
+checkpoint no longer in RAM that wait for the store's chunks.
 
 The backing store here is the tests' NFS stand-in (countingfs), stopped with
 SIGSTOP to hang it.
@@ -213,6 +214,119 @@ def test_ctrl_c_ends_a_close_waiting_for_durability(mounts, tmp_path):
     # that keeps up) recovers the file from the cache and flushes it.
     m.kill()
     m.mount()
+    reads_back(m, "ckpt.pt", data)
+
+
+READER = textwrap.dedent(
+    """
+    import hashlib, os, sys
+    flags = os.O_RDONLY | (os.O_DIRECT if sys.argv[2] == "direct" else 0)
+    fd = os.open(sys.argv[1], flags)
+    print("opened", flush=True)
+    sys.stdin.readline()
+    outcome, digest = "read interrupted", hashlib.sha256()
+    try:
+        while block := os.read(fd, 1 << 20):
+            digest.update(block)
+        outcome = "read " + digest.hexdigest()
+    except KeyboardInterrupt:
+        pass
+    print(outcome, flush=True)
+    """
+)
+
+
+def spawn_reader(path: Path, how: str) -> subprocess.Popen[str]:
+    """A reader (``how``: "direct", O_DIRECT, or "buffered") that has opened
+    ``path`` and reads it whole once told to go."""
+    reader = subprocess.Popen(
+        [sys.executable, "-c", READER, str(path), how],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert next_line(reader) == "opened"
+    return reader
+
+
+def go(reader: subprocess.Popen[str]) -> None:
+    assert reader.stdin is not None
+    reader.stdin.write("go\n")
+    reader.stdin.flush()
+
+
+@contextmanager
+def evicted_while_the_store_hangs(
+    store: CountingMount, m: Mount, data: bytes, readers: list[str]
+) -> Iterator[list[subprocess.Popen[str]]]:
+    """``data`` saved, durable and evicted from RAM; readers (one per item of
+    ``readers``: how it opens) that opened it; the store stopped. The store
+    answers again afterwards."""
+    m.mount(cache_size="64MiB")
+    m.allowed_log = ["backing store"]
+    (m.mnt / "ckpt.pt").write_bytes(data)
+    m.wait_durable()
+    m.cli("evict", str(m.mnt / "ckpt.pt"))
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        procs += [spawn_reader(m.mnt / "ckpt.pt", how) for how in readers]
+        store.proc.send_signal(signal.SIGSTOP)
+        yield procs
+    finally:
+        store.proc.send_signal(signal.SIGCONT)
+        for r in procs:
+            stop(r)
+
+
+def test_ctrl_c_ends_a_read_waiting_for_a_hung_store(store, mounts):
+    """A load of a checkpoint no longer in RAM reads its chunks from the
+    store. When the store hangs, Ctrl-C (or kill -9) of a reader whose READ
+    waits in the daemon takes effect at once, whether it reads the chunk
+    itself or waits for another reader's read of it; a reader that waited
+    for an interrupted reader's chunk reads it itself, and gets every byte
+    once the store answers. O_DIRECT readers: their READs are their own
+    (without ASYNC_DIO), where a buffered read's are the kernel's read-ahead,
+    which no signal but SIGKILL ends (the next test)."""
+    m = mounts()
+    data = random.randbytes(24 * MiB)
+    with evicted_while_the_store_hangs(store, m, data, ["direct"] * 4) as readers:
+        first, waiter, killed, patient = readers
+        go(first)
+        time.sleep(1)  # in the store, reading the chunk
+        for r in (waiter, killed, patient):
+            go(r)
+        time.sleep(1)  # waiting for the first reader's chunk
+        assert all(r.poll() is None for r in readers)
+        took = interrupt(waiter, "read interrupted")
+        assert took < 5, took
+        start = time.monotonic()
+        killed.kill()
+        killed.wait(TIMEOUT)
+        assert time.monotonic() - start < 5
+        took = interrupt(first, "read interrupted")
+        assert took < 5, took
+        time.sleep(1)
+        assert patient.poll() is None  # it waits for the store, not fails
+        assert requests(m)["interrupts"] >= 3
+        store.proc.send_signal(signal.SIGCONT)
+        assert next_line(patient) == "read " + hashlib.sha256(data).hexdigest()
+    assert m.stat()["cache"]["chunk_reads_failed"] == 0  # an interrupt is no failure
+    reads_back(m, "ckpt.pt", data)
+
+
+def test_kill_9_of_a_load_waiting_for_a_hung_store_returns_at_once(store, mounts):
+    """A buffered read waits for the kernel's read-ahead (background READs,
+    never interrupted): Ctrl-C waits for the store, SIGKILL does not."""
+    m = mounts()
+    data = random.randbytes(24 * MiB)
+    with evicted_while_the_store_hangs(store, m, data, ["buffered"]) as (reader,):
+        go(reader)
+        time.sleep(1)
+        assert reader.poll() is None
+        start = time.monotonic()
+        reader.kill()
+        reader.wait(TIMEOUT)
+        assert time.monotonic() - start < 5
     reads_back(m, "ckpt.pt", data)
 
 

@@ -219,19 +219,26 @@ class CheckedPath:
 
 @dataclass
 class Counters:
-    fast: int = 0  # answered by a fast path, inline
-    thread: int = 0  # of which by the request thread
-    checked: int = 0  # of which after a store read of the thread's own (CheckedPath)
+    """Each field is bumped by one thread only, the loop's or the request
+    thread's (``+=`` is no atomic step: two bumpers would lose counts);
+    :func:`describe` adds up what both count of one kind."""
+
+    # The loop's
+    fast: int = 0  # answered by a fast path, inline, on the loop
     declined: int = 0  # had a fast path that declined: handled by a worker
     handled: int = 0  # handled by a worker (the async handler)
-    stateless: int = 0  # INIT, IOCTL, unknown opcodes
-    spun: int = 0  # read by the request thread while it spun after an answer
-    thread_waits: int = 0  # the request thread's waits in poll(2)
+    stateless: int = 0  # INIT, IOCTL, unknown opcodes, on the loop
     taken: int = 0  # readings the loop took from the thread, held up in the store
     thread_failures: int = 0  # the request thread failed (a bug): the loop reads for good
     interrupts: int = 0  # INTERRUPTs for a stop signal, of a request a handler still had
     signals_ignored: int = 0  # INTERRUPTs for another signal (see interrupts.py)
     workers: int = 0  # worker tasks started so far
+    # The request thread's
+    thread: int = 0  # answered by a fast path by the request thread
+    checked: int = 0  # of which after a store read of its own (CheckedPath)
+    thread_stateless: int = 0  # INIT, IOCTL, unknown opcodes, by the thread
+    spun: int = 0  # read by the request thread while it spun after an answer
+    thread_waits: int = 0  # the request thread's waits in poll(2)
 
 
 class Session:
@@ -541,14 +548,15 @@ class Session:
                 self._state_lock.release()
             if not answered and (plan is None or not self._answer_checked(req, *plan)):
                 return False  # the loop's fast path tries again, or a worker
-            self.counters.fast += 1
             self.counters.thread += 1
         elif op == Op.INTERRUPT:
             return False  # the requests in flight are the loop's
-        elif op == Op.INIT:
-            self._init(req)
         else:
-            self._stateless(req)
+            self.counters.thread_stateless += 1
+            if op == Op.INIT:
+                self._init(req)
+            else:
+                self._stateless(req)
         return True
 
     def _plan_checked(self, req: Request) -> tuple[CheckedPath, Any] | None:
@@ -582,6 +590,7 @@ class Session:
         return True
 
     def _init_or_stateless(self, req: Request) -> None:
+        self.counters.stateless += 1
         if req.op == Op.INIT:
             self._init(req)
             return
@@ -754,7 +763,6 @@ class Session:
             await trio.sleep(STOP_POLL)
 
     def _stateless(self, req: Request) -> None:
-        self.counters.stateless += 1
         if req.op not in NO_REPLY:  # IOCTL: ENOTTY, as for any file without ioctls
             self._reply_error(req, errno.ENOTTY if req.op == Op.IOCTL else errno.ENOSYS)
 
@@ -812,7 +820,6 @@ class Session:
                 log.error("reply to %s of inode %d failed: %s", _name(req.op), req.nodeid, exc)
 
     def _init(self, req: Request) -> None:
-        self.counters.stateless += 1
         major, minor, max_readahead, flags = abi.INIT_IN.unpack_from(req.body)
         if major != abi.KERNEL_MAJOR:
             if major > abi.KERNEL_MAJOR:  # the kernel asks again in our major
@@ -1042,12 +1049,12 @@ def describe(session: Session | None) -> dict[str, Any]:
     c = session.counters
     return {
         "requests": {
-            "fast": c.fast,
+            "fast": c.fast + c.thread,
             "thread": c.thread,
             "checked": c.checked,
             "handled": c.handled,
             "declined": c.declined,
-            "stateless": c.stateless,
+            "stateless": c.stateless + c.thread_stateless,
             "spun": c.spun,
             "taken": c.taken,
             "thread_failures": c.thread_failures,

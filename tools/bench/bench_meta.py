@@ -34,7 +34,13 @@ between rounds), every operation on --ops files, one call at a time:
   rewritten (a temporary name, then os.replace, as a trainer's save does) and
   flushed, untimed, right before; nothing of it is in the reader's page cache
   on ckptfs, so its reads reach the daemon, and each read makes the kernel ask
-  for the attributes again at the next stat.
+  for the attributes again at the next stat;
+- with torch, the race window inside ``torch.load(mmap=True)`` of loads
+  --gap seconds apart (--spaced loads of one checkpoint per round, nothing
+  in between, not even a stat): a job's restore, or a reader polling for a
+  new checkpoint, rather than a loop. Everything is cold then, the kernel's
+  entries and attributes of the mount have run out, and the first request
+  pays the daemon's wake-up (docs/PERFORMANCE.md, "Cold loads").
 
 Per round it takes the median and the 90th percentile of each operation; the
 report gives the median over the rounds (after one untimed warm-up round) and
@@ -103,6 +109,8 @@ OPS = (
     "torch.load(mmap=True)",
     "  race window inside it",
     "  until its reopen starts",
+    "spaced loads: race window",
+    "  spaced: until its reopen starts",
 )
 
 
@@ -314,7 +322,9 @@ class Target:
 Samples = dict[str, list[int]]
 
 
-def one_round(target: Target, tag: str, seed: int, load: TorchLoad | None) -> Samples:
+def one_round(
+    target: Target, tag: str, seed: int, load: TorchLoad | None, spaced: tuple[int, float]
+) -> Samples:
     """Every operation once per file; returns ns samples by operation."""
     s: Samples = {}
     # "cache expired": nothing looked at the names for longer than the mount's
@@ -355,6 +365,11 @@ def one_round(target: Target, tag: str, seed: int, load: TorchLoad | None) -> Sa
         s["  race window inside it"], s["  until its reopen starts"] = load_windows(
             load, target.zips
         )
+        count, gap = spaced
+        if count:
+            s["spaced loads: race window"], s["  spaced: until its reopen starts"] = (
+                spaced_load_windows(load, target.checkpoints[0], count, gap)
+            )
     return s
 
 
@@ -371,6 +386,25 @@ def load_windows(load: TorchLoad, paths: list[Path]) -> tuple[list[int], list[in
             until_reopen.append(b)
     finally:
         gc.enable()
+    return whole, until_reopen
+
+
+def spaced_load_windows(
+    load: TorchLoad, path: Path, count: int, gap: float
+) -> tuple[list[int], list[int]]:
+    """The race windows of ``count`` loads of ``path``, ``gap`` seconds
+    apart with nothing in between: until the second open returns, and until
+    it starts."""
+    whole, until_reopen = [], []
+    for _ in range(count):
+        time.sleep(gap)
+        gc.disable()
+        try:
+            a, b = load.windows(path)
+        finally:
+            gc.enable()
+        whole.append(a)
+        until_reopen.append(b)
     return whole, until_reopen
 
 
@@ -467,6 +501,8 @@ def context(
         "again (temporary name, os.replace) and flushed, untimed; torch.load the same way "
         "as 'reopen window'; its race window: from torch's own open() of the path until "
         "its second open (UntypedStorage.from_file) returns, timed by wrapping the two",
+        f"spaced loads: {args.spaced} torch.load(mmap=True) of one checkpoint per round, "
+        f"{args.gap:g}s apart, nothing in between (no stat)",
         "ratio = ckptfs / plain (time); µs = microseconds",
     ]
 
@@ -546,12 +582,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cache-size", default=CACHE_SIZE, help=f"(default {CACHE_SIZE})")
     p.add_argument("--no-torch", action="store_true", help="do not time torch.load")
     p.add_argument(
+        "--spaced", type=int, default=6, help="spaced torch.loads per round (default 6; 0: none)"
+    )
+    p.add_argument(
+        "--gap",
+        type=float,
+        default=ATTR_TIMEOUT + 0.2,
+        help=f"seconds between spaced loads (default {ATTR_TIMEOUT + 0.2:g})",
+    )
+    p.add_argument(
         "--timeout", type=float, default=1800.0, help="abort the run after seconds (default 1800)"
     )
     p.add_argument("--keep", action="store_true", help="keep --workdir's files afterwards")
     args = p.parse_args(argv)
     if args.ops < 10 or args.rounds < 1:
         p.error("--ops must be >= 10 and --rounds >= 1")
+    if args.spaced < 0 or args.gap < 0:
+        p.error("--spaced and --gap must be >= 0")
     args.windows = args.windows or max(10, args.ops // 2)
     return args
 
@@ -584,7 +631,13 @@ def benchmark(args: argparse.Namespace, layout: Layout) -> None:
                 order = TARGETS if i % 2 == 0 else TARGETS[::-1]
                 start = time.perf_counter()
                 for name in order:
-                    samples = one_round(targets[name], f"{i + 1}-{name}", (i + 2) * 1000, load)
+                    samples = one_round(
+                        targets[name],
+                        f"{i + 1}-{name}",
+                        (i + 2) * 1000,
+                        load,
+                        (args.spaced, args.gap),
+                    )
                     if i >= 0:
                         results[name].append(samples)
                 what = "warm-up round" if i < 0 else f"round {i + 1}/{args.rounds}"

@@ -44,40 +44,71 @@ class BackingTimeout(OSError):
     pass
 
 
+class _GivenUp(Exception):
+    """A thread began a call the loop had given up on: it is not made."""
+
+
 class Call(Generic[T]):
     """One blocking call, shared between the loop and its thread.
 
     ``late`` runs exactly once if the loop abandoned the call (timeout or
     cancellation), in a thread, once the call has ended: with its result, or
-    None if it failed. It releases what the call holds (an fd opened too late,
-    pins on arena slots a thread was filling).
+    None if it failed or never began. It releases what the call holds (an fd
+    opened too late, pins on arena slots a thread was filling). A call the
+    loop gave up on while it still waited for a thread (all of them busy,
+    as while the store hangs) never begins: ``late`` then runs at once.
     """
 
     def __init__(self, late: Callable[[T | None], None] | None) -> None:
         self._lock = threading.Lock()
         self._abandoned = False
+        self._began = False
         self._finished = False
         self._result: T | None = None
+        self._error: BaseException | None = None
         self._late = late
 
     def abandoned(self) -> bool:
         with self._lock:
             return self._abandoned
 
-    def finish(self, result: T | None) -> None:
-        """In the thread, when the call ends (result None on failure)."""
+    def began(self) -> bool:
+        with self._lock:
+            return self._began
+
+    def outcome(self) -> T | None:
+        """What the call returned (None: it failed, or has not returned)."""
+        with self._lock:
+            return self._result
+
+    def error(self) -> BaseException | None:
+        """What the call raised, if it did."""
+        with self._lock:
+            return self._error
+
+    def begin(self) -> bool:
+        """In the thread, first: whether to make the call (not once the loop
+        gave up on it: it released what the call holds then)."""
+        with self._lock:
+            self._began = not self._abandoned
+            return self._began
+
+    def finish(self, result: T | None, error: BaseException | None = None) -> None:
+        """In the thread, when the call ends (result None on failure, with
+        what it raised)."""
         with self._lock:
             late = self._abandoned
-            self._finished, self._result = True, result
+            self._finished, self._result, self._error = True, result, error
         if late and self._late is not None:
             self._late(result)
 
     def abandon(self) -> None:
-        """On the loop: give up. A call that ended meanwhile is released here."""
+        """On the loop: give up. A call that ended meanwhile, or never began
+        (and now never will), is released here."""
         with self._lock:
             self._abandoned = True
-            ended = self._finished
-        if ended and self._late is not None:
+            release = self._finished or not self._began
+        if release and self._late is not None:
             # Releasing may block (close on NFS): never on the loop.
             threading.Thread(target=self._late, args=(self._result,), daemon=True).start()
 
@@ -128,10 +159,12 @@ class BackingIO:
             call = Call(late)
 
         def body() -> T:
+            if not call.begin():
+                raise _GivenUp  # nobody waits for its outcome any more
             try:
                 result = fn(call, *args) if with_call else fn(*args)
-            except BaseException:
-                call.finish(None)
+            except BaseException as exc:
+                call.finish(None, exc)
                 raise
             call.finish(result)
             return result
@@ -148,11 +181,7 @@ class BackingIO:
                     call.abandon()  # the thread runs on; ``late`` releases what it holds
                     raise
         except trio.TooSlowError:
-            self.timeouts += 1
-            self._set_health("down", f"{label} took over {self.timeout:.0f}s")
-            raise BackingTimeout(
-                f"backing store did not answer within {self.timeout:.0f}s ({label})"
-            ) from None
+            raise self.timed_out(label) from None
         elapsed = time.monotonic() - start
         self._last_ok = time.monotonic()
         if elapsed > min(5.0, self.timeout / 4):
@@ -161,6 +190,13 @@ class BackingIO:
         else:
             self._set_health("normal", "")
         return result
+
+    def timed_out(self, label: str) -> BackingTimeout:
+        """A call ran past the timeout (seen here, or by whoever waits for a
+        call the loop let run on): the store is down. The error to raise."""
+        self.timeouts += 1
+        self._set_health("down", f"{label} took over {self.timeout:.0f}s")
+        return BackingTimeout(f"backing store did not answer within {self.timeout:.0f}s ({label})")
 
     def _set_health(self, health: str, why: str) -> None:
         if health != self.health:

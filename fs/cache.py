@@ -1234,7 +1234,7 @@ class Cache:
         wait for memory, and hosts the read-ahead's chunk reads."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.readahead.run)
-            self.remote.nursery = nursery
+            self.remote.nursery = self.frames.nursery = nursery
             await self._spill_when_needed()
 
     async def _spill_when_needed(self) -> None:

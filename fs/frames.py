@@ -16,9 +16,14 @@ waited for it get the error (EIO, never the bytes), and a later reader tries
 the store again.
 
 A FUSE reader's Ctrl-C ends its wait in the store (interrupts.py), whether
-it fills the frame or waits for another's fill: a chunk read is abandoned
-as after a timeout (its slots stay pinned until the thread returns). Other
-readers of that frame are not interrupted: they fill it again themselves.
+it fills the frame or waits for another's fill. The read itself goes on in
+its thread for the frame (READING_ON), which it makes READY (or fails) when
+it returns, so the other readers of the chunk wait for that one read
+rather than each start another in a store that hangs; it keeps the
+deadline the reader's wait had (``backing_timeout``), after which the frame
+fails with the store marked down, as if the reader had waited. A read
+given up on before it began (every store thread busy) is not made: the
+frame goes, and its waiters fill it again themselves.
 
 A reader never waits for memory: if no slot can be freed for a frame, the
 reader gets None and reads its range through a bounded bounce buffer instead
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -55,7 +61,12 @@ RemoteFill = Callable[[Chunk, list[memoryview], str], Awaitable[bool]]
 
 class FrameState(Enum):
     LOADING = "loading"  # reserved; a thread is filling the slots, or will: not readable yet
+    # Its filler was interrupted while the store read ran: the read goes on
+    # in its thread and completes the frame (``_read_ended``), or the
+    # frame fails at its deadline (``_expire``). Not readable yet.
+    READING_ON = "reading on"
     READY = "ready"  # verified; readable until evicted
+    FAILED = "failed"  # its fill failed or timed out: gone from the cache (see ``failure``)
 
 
 @dataclass(eq=False)
@@ -66,6 +77,9 @@ class Frame:
     done: trio.Event = field(default_factory=trio.Event)
     started: bool = False  # a fill is running (only one ever does)
     failure: BaseException | None = None
+    read: Call[bool] | None = None  # its store read, once asked for (shared with the thread)
+    deadline: float = math.inf  # (trio clock) when a read still running is given up on
+    expiry: trio.CancelScope = field(default_factory=trio.CancelScope)  # READING_ON's timer
     prefetched: bool = False  # reserved by the read-ahead
     unread: bool = False  # reserved by the read-ahead, no reader yet: counted in unread_bytes
     last_access: float = field(default_factory=time.monotonic)
@@ -84,6 +98,9 @@ class FrameCache:
         self.arena = arena
         self.store = store
         self.io = io
+        # Where a READING_ON frame's deadline runs (the cache's background
+        # nursery); without one, an interrupted read fails its frame at once.
+        self.nursery: trio.Nursery | None = None
         self.slot_size = arena.slot_size
         self.frames: OrderedDict[str, Frame] = OrderedDict()  # LRU order: oldest first
         self.reads = 0  # chunk reads from the backing store (frames and streamed ranges)
@@ -200,16 +217,15 @@ class FrameCache:
         try:
             await self._read_into(frame, what)
         except BaseException as exc:
-            frame.failure = exc
-            self._forget(frame)
+            if frame.state is FrameState.READING_ON:
+                raise  # the caller was interrupted; the read completes the frame
             if isinstance(exc, Exception) and not isinstance(exc, Interrupted):
                 self.failed += 1
+            self._fail(frame, exc)
             raise
-        else:
-            frame.state = FrameState.READY
-            frame.last_access = time.monotonic()
-        finally:
-            frame.done.set()
+        frame.state = FrameState.READY
+        frame.last_access = time.monotonic()
+        frame.done.set()
 
     async def acquire(
         self, chunk: Chunk, what: str, alloc: Callable[[], int | None]
@@ -243,8 +259,8 @@ class FrameCache:
             if isinstance(failure, Exception) and not isinstance(failure, Interrupted):
                 raise shared_error(failure)
             # Ready (look again: it may have been evicted meanwhile), or the
-            # task that filled it was cancelled or its caller interrupted:
-            # try again.
+            # task that filled it was cancelled, or its caller interrupted
+            # before the read began: try again.
 
     async def _read_into(self, frame: Frame, what: str) -> None:
         chunk = frame.chunk
@@ -258,22 +274,83 @@ class FrameCache:
         direct = self.slot_size % DIRECT_ALIGN == 0
         for slot in frame.slots:
             self.arena.pin(slot)
-        # If the loop gives up on this read, the thread unpins when it is done.
-        call: Call[None] = Call(on_loop_later(self._unpin, frame.slots))
+
+        def read() -> bool:
+            self.store.read_into(chunk.hash, chunk.length, views, what=what, direct=direct)
+            return True
+
+        # If the loop gives up on this read, the thread's end releases the
+        # slots, and completes the frame if its caller was interrupted.
+        call = frame.read = Call(on_loop_later(self._read_ended, frame, what))
+        frame.deadline = trio.current_time() + self.io.timeout  # as io.run's own
         try:
-            await self.io.run(
-                lambda: self.store.read_into(
-                    chunk.hash, chunk.length, views, what=what, direct=direct
-                ),
-                what=f"read chunk of {what}",
-                call=call,
-                interruptible=True,
-            )
+            await self.io.run(read, what=f"read chunk of {what}", call=call, interruptible=True)
+        except Interrupted:
+            # The read was on its way: it goes on, until its deadline. (Else
+            # the request was interrupted before, and no read was asked for.)
+            if call.abandoned():
+                self._read_on(frame, what)
+            raise
         finally:
             if not call.abandoned():
                 for view in views:
                     view.release()
                 self._unpin(frame.slots)
+        self._count_read(chunk)
+
+    def _read_ended(self, frame: Frame, what: str) -> None:
+        """On the loop, once a read the loop gave up on has ended (or, given
+        up before it began, never will)."""
+        read = frame.read
+        assert read is not None
+        self._unpin(frame.slots)
+        if frame.state is not FrameState.READING_ON:
+            return  # it failed meanwhile (its deadline), or its reader timed out
+        frame.expiry.cancel()
+        if read.outcome() is True:
+            self._count_read(frame.chunk)
+            frame.state = FrameState.READY
+            frame.last_access = time.monotonic()
+            frame.done.set()
+        elif read.began():
+            self.failed += 1
+            error = read.error()
+            self._fail(frame, error if isinstance(error, OSError) else OSError(
+                errno.EIO, f"read chunk of {what} failed: {error!r}"
+            ))  # fmt: skip
+        else:  # nothing was read: its waiters fill it themselves
+            self._fail(frame, Interrupted(f"read chunk of {what}"))
+
+    def _read_on(self, frame: Frame, what: str) -> None:
+        """Its reader was interrupted: the frame waits for the read (READING_ON)
+        until its deadline, if there is a nursery for that timer."""
+        if self.nursery is None:
+            return
+        try:
+            self.nursery.start_soon(self._expire, frame, what)
+        except RuntimeError:  # the cache is closing: the frame fails now
+            return
+        frame.state = FrameState.READING_ON
+
+    async def _expire(self, frame: Frame, what: str) -> None:
+        """A READING_ON frame whose read outlives the deadline its reader's
+        wait had fails then, as that wait would have (the store is down)."""
+        with frame.expiry:
+            await trio.sleep_until(frame.deadline)
+            if frame.state is FrameState.READING_ON:
+                self.failed += 1
+                self._fail(frame, self.io.timed_out(f"read chunk of {what}"))
+
+    def _fail(self, frame: Frame, failure: BaseException) -> None:
+        """The frame's fill failed: it goes (its slots once no thread pins
+        them), and its waiters get ``failure`` (or, an Interrupted or a
+        cancellation, fill it again)."""
+        frame.state = FrameState.FAILED
+        frame.failure = failure
+        self._forget(frame)
+        frame.done.set()
+
+    def _count_read(self, chunk: Chunk) -> None:
         self.reads += 1
         self.bytes_read += chunk.length
 

@@ -56,67 +56,90 @@ async def until(predicate: Any, what: str) -> None:
             await trio.sleep(0.005)
 
 
+class Node:
+    """A frame cache over its own arena and hung store, holding chunks of
+    random bytes, and FUSE readers of them, each in a request of its own (as
+    the session marks a READ), with how each ended: the bytes,
+    "interrupted", or (errno, trio time)."""
+
+    def __init__(self, root: Path, sizes: list[int], timeout: float = 60.0, threads: int = 16):
+        self.arena = Arena(root / "arena", 16 * MiB)
+        self.store = HungStore(root / "backing")
+        self.io = BackingIO(timeout, max_threads=threads)
+        self.frames = FrameCache(self.arena, self.store, self.io)
+        self.data = [os.urandom(size) for size in sizes]
+        self.chunks = []
+        for data in self.data:
+            self.store.put(chunk_hash(data), data)
+            self.chunks.append(Chunk(0, len(data), chunk_hash(data)))
+        self.free_at_start = self.arena.free_slots
+        self.inflight: dict[str, interrupts.InFlight] = {}
+        self.outcome: dict[str, Any] = {}
+
+    async def read(
+        self, name: str, k: int = 0, task_status: Any = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        chunk = self.chunks[k]
+        with interrupts.handling(len(self.inflight) + 1) as request:
+            self.inflight[name] = request
+            task_status.started()
+            try:
+                frame = await self.frames.acquire(chunk, name, self.arena.alloc)
+            except interrupts.Interrupted:
+                self.outcome[name] = "interrupted"
+                return
+            except OSError as exc:
+                self.outcome[name] = (exc.errno, trio.current_time())
+                return
+            assert frame is not None
+            self.outcome[name] = self.frames.copy(frame, 0, chunk.length)
+
+    async def interrupt(self, name: str) -> Any:
+        """Interrupt ``name``'s request; how its read ended."""
+        self.inflight[name].interrupt()
+        await until(lambda: name in self.outcome, f"the interrupt of {name}")
+        return self.outcome[name]
+
+    def no_pins(self) -> bool:
+        return not any(self.arena.pinned(s) for s in range(self.arena.nslots))
+
+
 def test_an_interrupted_fill_or_wait_ends_at_once_and_the_read_goes_on_for_the_others(
     tmp_path: Path,
 ) -> None:
-    arena = Arena(tmp_path / "arena", 16 * MiB)
-    store = HungStore(tmp_path / "backing")
-    data = os.urandom(2 * MiB + 12345)  # three slots, the last one partly
-    digest = chunk_hash(data)
-    store.put(digest, data)
-    chunk = Chunk(0, len(data), digest)
-    frames = FrameCache(arena, store, BackingIO(60.0))
-    free_at_start = arena.free_slots
-    inflight: dict[str, interrupts.InFlight] = {}
-    outcome: dict[str, bytes | str] = {}
-
-    async def reader(name: str, unique: int, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        with interrupts.handling(unique) as request:  # as the session marks a READ
-            inflight[name] = request
-            task_status.started()
-            try:
-                frame = await frames.acquire(chunk, name, arena.alloc)
-            except interrupts.Interrupted:
-                outcome[name] = "interrupted"
-                return
-            assert frame is not None
-            outcome[name] = frames.copy(frame, 0, chunk.length)
+    n = Node(tmp_path, [2 * MiB + 12345])  # three slots, the last one partly
+    store, frames = n.store, n.frames
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             frames.nursery = nursery  # as the cache's background nursery
-            await nursery.start(reader, "first", 1)
+            await nursery.start(n.read, "first")
             await until(lambda: store.reads_started == 1, "the first reader's fill")
-            await nursery.start(reader, "waiter", 2)
-            await nursery.start(reader, "patient", 3)
+            await nursery.start(n.read, "waiter")
+            await nursery.start(n.read, "patient")
             await until(lambda: frames.waits == 2, "two readers waiting for the fill")
 
-            inflight["waiter"].interrupt()
-            await until(lambda: "waiter" in outcome, "the waiter's interrupt")
-            assert outcome["waiter"] == "interrupted"
+            assert await n.interrupt("waiter") == "interrupted"
             assert store.reads_started == 1  # the fill goes on for the others
 
-            inflight["first"].interrupt()
-            await until(lambda: "first" in outcome, "the filler's interrupt")
-            assert outcome["first"] == "interrupted"
+            assert await n.interrupt("first") == "interrupted"
             # The patient reader, not failed, waits for the same read, which
             # goes on in its thread: no second read of the chunk.
             await trio.sleep(0.1)
-            assert "patient" not in outcome
+            assert "patient" not in n.outcome
             assert store.reads_started == 1
-            assert arena.free_slots == free_at_start - 3
+            assert n.arena.free_slots == n.free_at_start - 3
 
             # A reader that comes now waits for that read too.
-            await nursery.start(reader, "late", 4)
+            await nursery.start(n.read, "late")
             await until(lambda: frames.waits == 3, "the late reader waiting")
 
             store.gate.set()
-        assert outcome["patient"] == outcome["late"] == data
+        assert n.outcome["patient"] == n.outcome["late"] == n.data[0]
         assert store.reads_started == 1 and frames.reads == 1
-        assert not any(arena.pinned(s) for s in range(arena.nslots))
-        frame = frames.frames[chunk.hash]
-        assert frames.evict(frame) == 3
-        assert arena.free_slots == free_at_start
+        assert n.no_pins()
+        assert frames.evict(frames.frames[n.chunks[0].hash]) == 3
+        assert n.arena.free_slots == n.free_at_start
         assert frames.failed == 0  # an interrupt is no failed read
 
     trio.run(main)
@@ -129,48 +152,25 @@ def test_a_read_interrupted_while_it_waits_for_a_thread_gives_its_slots_back_at_
     chunk's read waits for a thread, and its reader is interrupted. The read
     never begins, so nothing will release its slots later: they come back
     at once, and the first read still completes."""
-    arena = Arena(tmp_path / "arena", 16 * MiB)
-    store = HungStore(tmp_path / "backing")
-    chunks = []
-    for _ in range(2):
-        data = os.urandom(MiB + 777)  # two slots each
-        store.put(chunk_hash(data), data)
-        chunks.append((Chunk(0, len(data), chunk_hash(data)), data))
-    frames = FrameCache(arena, store, BackingIO(60.0, max_threads=1))
-    free_at_start = arena.free_slots
-    inflight: dict[str, interrupts.InFlight] = {}
-    outcome: dict[str, bytes | str] = {}
-
-    async def reader(name: str, chunk: Chunk, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        with interrupts.handling(len(inflight) + 1) as request:
-            inflight[name] = request
-            task_status.started()
-            try:
-                frame = await frames.acquire(chunk, name, arena.alloc)
-            except interrupts.Interrupted:
-                outcome[name] = "interrupted"
-                return
-            assert frame is not None
-            outcome[name] = frames.copy(frame, 0, chunk.length)
+    n = Node(tmp_path, [MiB + 777, MiB + 777], threads=1)  # two slots each
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            await nursery.start(reader, "in the store", chunks[0][0])
-            await until(lambda: store.reads_started == 1, "the first read in the store")
-            await nursery.start(reader, "queued", chunks[1][0])
-            await until(lambda: arena.free_slots == free_at_start - 4, "the second reservation")
+            n.frames.nursery = nursery
+            await nursery.start(n.read, "in the store", 0)
+            await until(lambda: n.store.reads_started == 1, "the first read in the store")
+            await nursery.start(n.read, "queued", 1)
+            await until(lambda: n.arena.free_slots == n.free_at_start - 4, "the reservation")
             await trio.sleep(0.05)  # it waits for the only thread
-            assert store.reads_started == 1
-            inflight["queued"].interrupt()
-            await until(lambda: "queued" in outcome, "the queued reader's interrupt")
-            assert outcome["queued"] == "interrupted"
-            await until(lambda: arena.free_slots == free_at_start - 2, "the queued read's slots")
-            store.gate.set()
-        assert outcome["in the store"] == chunks[0][1]
-        assert store.reads_started == 1  # the read given up on was never made
-        assert not any(arena.pinned(s) for s in range(arena.nslots))
-        assert frames.evict(frames.frames[chunks[0][0].hash]) == 2
-        assert arena.free_slots == free_at_start
+            assert n.store.reads_started == 1
+            assert await n.interrupt("queued") == "interrupted"
+            await until(lambda: n.arena.free_slots == n.free_at_start - 2, "the queued slots")
+            n.store.gate.set()
+        assert n.outcome["in the store"] == n.data[0]
+        assert n.store.reads_started == 1  # the read given up on was never made
+        assert n.no_pins()
+        assert n.frames.evict(n.frames.frames[n.chunks[0].hash]) == 2
+        assert n.arena.free_slots == n.free_at_start
 
     trio.run(main)
 
@@ -179,51 +179,26 @@ def test_a_read_that_fails_after_its_reader_was_interrupted_fails_its_waiters(
     tmp_path: Path,
 ) -> None:
     """The read that went on for the others fails when the store answers:
-    they get EIO, as if its reader had waited, the frame goes and its slots
-    come back, and the next reader tries the store again."""
-    arena = Arena(tmp_path / "arena", 16 * MiB)
-    store = HungStore(tmp_path / "backing")
-    data = os.urandom(MiB + 99)
-    store.put(chunk_hash(data), data)
-    chunk = Chunk(0, len(data), chunk_hash(data))
-    frames = FrameCache(arena, store, BackingIO(60.0))
-    free_at_start = arena.free_slots
-    inflight: dict[str, interrupts.InFlight] = {}
-    outcome: dict[str, bytes | str] = {}
-
-    async def reader(name: str, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        with interrupts.handling(len(inflight) + 1) as request:
-            inflight[name] = request
-            task_status.started()
-            try:
-                frame = await frames.acquire(chunk, name, arena.alloc)
-            except interrupts.Interrupted:
-                outcome[name] = "interrupted"
-                return
-            except OSError as exc:
-                outcome[name] = f"errno {exc.errno}"
-                return
-            assert frame is not None
-            outcome[name] = frames.copy(frame, 0, chunk.length)
+    they get its error, as if its reader had waited, the frame goes and its
+    slots come back, and the next reader tries the store again."""
+    n = Node(tmp_path, [MiB + 99])
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            frames.nursery = nursery
-            await nursery.start(reader, "first")
-            await until(lambda: store.reads_started == 1, "the first read in the store")
-            await nursery.start(reader, "waiter")
-            await until(lambda: frames.waits == 1, "the waiter")
-            inflight["first"].interrupt()
-            await until(lambda: "first" in outcome, "the filler's interrupt")
-            store.fail = True
-            store.gate.set()
-        assert outcome == {"first": "interrupted", "waiter": f"errno {errno.EIO}"}
-        assert frames.failed == 1 and chunk.hash not in frames.frames
-        assert arena.free_slots == free_at_start
-        store.fail = False
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(reader, "next")
-        assert outcome["next"] == data and store.reads_started == 2
+            n.frames.nursery = nursery
+            nursery.start_soon(n.read, "first")
+            await until(lambda: n.store.reads_started == 1, "the first read in the store")
+            nursery.start_soon(n.read, "waiter")
+            await until(lambda: n.frames.waits == 1, "the waiter")
+            assert await n.interrupt("first") == "interrupted"
+            n.store.fail = True
+            n.store.gate.set()
+        assert n.outcome["waiter"][0] == errno.EIO
+        assert n.frames.failed == 1 and n.chunks[0].hash not in n.frames.frames
+        assert n.arena.free_slots == n.free_at_start
+        n.store.fail = False
+        await n.read("next")
+        assert n.outcome["next"] == n.data[0] and n.store.reads_started == 2
 
     trio.run(main)
 
@@ -234,29 +209,22 @@ def test_a_reader_interrupted_before_its_fill_leaves_the_chunk_to_the_next_reade
     """A request interrupted at an earlier wait that could not end (a peer's
     read, say) comes to a chunk read: it ends at once, asks the store for
     nothing, and the frame it reserved goes, so the next reader reads it."""
-    arena = Arena(tmp_path / "arena", 16 * MiB)
-    store = HungStore(tmp_path / "backing")
-    store.gate.set()
-    data = os.urandom(MiB + 5)
-    store.put(chunk_hash(data), data)
-    chunk = Chunk(0, len(data), chunk_hash(data))
-    frames = FrameCache(arena, store, BackingIO(60.0))
-    free_at_start = arena.free_slots
+    n = Node(tmp_path, [MiB + 5])
+    n.store.gate.set()
 
     async def main() -> None:
-        with interrupts.handling(1) as request:
+        with interrupts.handling(99) as request:
             request.interrupt()
             try:
-                await frames.acquire(chunk, "interrupted", arena.alloc)
+                await n.frames.acquire(n.chunks[0], "interrupted", n.arena.alloc)
             except interrupts.Interrupted:
                 pass
             else:
                 raise AssertionError("the interrupted request read the chunk")
-        assert store.reads_started == 0 and chunk.hash not in frames.frames
-        assert arena.free_slots == free_at_start and frames.failed == 0
-        with trio.fail_after(TIMEOUT), interrupts.handling(2):
-            frame = await frames.acquire(chunk, "next", arena.alloc)
-        assert frame is not None and frames.copy(frame, 0, chunk.length) == data
+        assert n.store.reads_started == 0 and n.chunks[0].hash not in n.frames.frames
+        assert n.arena.free_slots == n.free_at_start and n.frames.failed == 0
+        await n.read("next")
+        assert n.outcome["next"] == n.data[0]
 
     trio.run(main)
 
@@ -266,45 +234,24 @@ def test_a_read_that_goes_on_for_the_others_fails_them_at_its_deadline(tmp_path:
     its wait had (the store timeout): when the store still hangs then, the
     waiters get EIO and the store is marked down, as if the reader had
     waited; the slots come back once the thread returns."""
-    arena = Arena(tmp_path / "arena", 16 * MiB)
-    store = HungStore(tmp_path / "backing")
-    data = os.urandom(MiB + 3)
-    store.put(chunk_hash(data), data)
-    chunk = Chunk(0, len(data), chunk_hash(data))
-    io = BackingIO(0.5)
-    frames = FrameCache(arena, store, io)
-    free_at_start = arena.free_slots
-    inflight: dict[str, interrupts.InFlight] = {}
-    outcome: dict[str, Any] = {}
-
-    async def read(name: str) -> None:
-        with interrupts.handling(len(inflight) + 1) as request:
-            inflight[name] = request
-            try:
-                await frames.acquire(chunk, name, arena.alloc)
-                outcome[name] = "read"
-            except interrupts.Interrupted:
-                outcome[name] = "interrupted"
-            except OSError as exc:
-                outcome[name] = (exc.errno, trio.current_time())
+    n = Node(tmp_path, [MiB + 3], timeout=0.5)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            frames.nursery = nursery
-            nursery.start_soon(read, "first")
-            await until(lambda: store.reads_started == 1, "the first read in the store")
+            n.frames.nursery = nursery
+            nursery.start_soon(n.read, "first")
+            await until(lambda: n.store.reads_started == 1, "the first read in the store")
             started = trio.current_time()
-            nursery.start_soon(read, "waiter")
-            await until(lambda: frames.waits == 1, "the waiter")
-            inflight["first"].interrupt()
-            await until(lambda: outcome.get("first") == "interrupted", "the filler's interrupt")
-            await until(lambda: isinstance(outcome.get("waiter"), tuple), "the deadline")
-            err, when = outcome["waiter"]
+            nursery.start_soon(n.read, "waiter")
+            await until(lambda: n.frames.waits == 1, "the waiter")
+            assert await n.interrupt("first") == "interrupted"
+            await until(lambda: "waiter" in n.outcome, "the deadline")
+            err, when = n.outcome["waiter"]
             assert err == errno.EIO and when - started < 0.5 + 2
-            assert io.health == "down" and io.timeouts == 1 and frames.failed == 1
-            assert chunk.hash not in frames.frames
-            store.gate.set()
-            await until(lambda: arena.free_slots == free_at_start, "the slots, once it returned")
-        assert frames.reads == 0 and store.reads_started == 1
+            assert n.io.health == "down" and n.io.timeouts == 1 and n.frames.failed == 1
+            assert n.chunks[0].hash not in n.frames.frames
+            n.store.gate.set()
+            await until(lambda: n.arena.free_slots == n.free_at_start, "the slots")
+        assert n.frames.reads == 0 and n.store.reads_started == 1
 
     trio.run(main)

@@ -397,4 +397,9 @@ class FrameCache:
             "chunk_reads_streamed": self.streamed,
             "chunk_reads_failed": self.failed,
             "chunk_read_waits": self.waits,
+            # Reads whose reader was interrupted, going on for other readers
+            # (a store that hangs shows here).
+            "chunk_reads_left_running": sum(
+                1 for f in self.frames.values() if f.state is FrameState.READING_ON
+            ),
         }

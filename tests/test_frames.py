@@ -128,6 +128,7 @@ def test_an_interrupted_fill_or_wait_ends_at_once_and_the_read_goes_on_for_the_o
             await trio.sleep(0.1)
             assert "patient" not in n.outcome
             assert store.reads_started == 1
+            assert frames.stats()["chunk_reads_left_running"] == 1
             assert n.arena.free_slots == n.free_at_start - 3
 
             # A reader that comes now waits for that read too.
@@ -137,6 +138,7 @@ def test_an_interrupted_fill_or_wait_ends_at_once_and_the_read_goes_on_for_the_o
             store.gate.set()
         assert n.outcome["patient"] == n.outcome["late"] == n.data[0]
         assert store.reads_started == 1 and frames.reads == 1
+        assert frames.stats()["chunk_reads_left_running"] == 0
         assert n.no_pins()
         assert frames.evict(frames.frames[n.chunks[0].hash]) == 3
         assert n.arena.free_slots == n.free_at_start

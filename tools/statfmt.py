@@ -50,12 +50,19 @@ def requests_text(fuse: dict[str, Any]) -> str:
     )
 
 
+def left_running_text(n: int) -> str:
+    if not n:
+        return ""
+    return f"  ({n} chunk read(s) of interrupted readers still running for other readers)"
+
+
 def format_stat(s: dict[str, Any]) -> str:
     c, fl = s["cache"], s["flush"]
     lines = [
         f"ckptfs at {s['mountpoint']}  node {s['node']}  pid {s['pid']}  "
         f"durability {s['durability']}",
-        f"backing: {s['backing']}  health {s['backing_health']}",
+        f"backing: {s['backing']}  health {s['backing_health']}"
+        + left_running_text(c.get("chunk_reads_left_running", 0)),
         f"cache:   {human(c['used'])} used of {human(c['capacity'])}, {human(c['dirty'])} dirty"
         # .get: a daemon started before this CLI was installed has no state.
         f"  (pre-faulted {human(c['prefaulted'])} ({c.get('prefault', 'state unknown')}),"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import trio
 from ckptfs.fs.backing import Backing, Entry
-from ckptfs.fs.blocking import BackingIO
+from ckptfs.fs.blocking import BackingIO, Call
 from ckptfs.fs.manifest import Chunk, Manifest, read_manifest, write_manifest
 
 
@@ -132,3 +132,47 @@ def test_a_kept_entry_drops_only_the_chunk_list_and_holders() -> None:
     assert dataclasses.replace(kept.manifest, chunks=m.chunks, holders=m.holders) == m
     assert (kept.manifest.chunks, kept.manifest.holders) == ([], [])
     assert m.chunks and m.holders  # the entry read is not changed
+
+
+def _recorded() -> tuple[Call[str], list[object], threading.Event]:
+    """A Call whose ``late`` records what it released; the record; set on release."""
+    released: list[object] = []
+    done = threading.Event()
+
+    def late(result: object) -> None:
+        released.append(result)
+        done.set()
+
+    return Call(late), released, done
+
+
+@pytest.mark.parametrize(
+    "order, made, released",
+    [
+        # Given up on before its thread began: released at once, never made.
+        (["abandon", "begin"], False, [None]),
+        # Given up on while it ran: released when it ends, with its result.
+        (["begin", "abandon", "finish"], True, ["fd"]),
+        # Given up on after it ended, before the loop saw it: released then.
+        (["begin", "finish", "abandon"], True, ["fd"]),
+        # Never given up on: the loop has the result, nothing is released.
+        (["begin", "finish"], True, []),
+    ],
+)
+def test_a_call_is_released_exactly_once_whenever_the_loop_gives_up_on_it(
+    order: list[str], made: bool, released: list[object]
+) -> None:
+    call, got, done = _recorded()
+    began = None
+    for step in order:
+        if step == "begin":
+            began = call.begin()
+        elif step == "finish":
+            call.finish("fd")
+        else:
+            call.abandon()
+    assert began is made and call.began() is made
+    if released:
+        assert done.wait(5)
+    time.sleep(0.05)  # a second release would show by now
+    assert got == released

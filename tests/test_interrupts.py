@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import os
 import random
 import select
 import shutil
@@ -331,6 +332,60 @@ def test_kill_9_of_a_load_waiting_for_a_hung_store_returns_at_once(store, mounts
         reader.wait(TIMEOUT)
         assert time.monotonic() - start < 5
     reads_back(m, "ckpt.pt", data)
+
+
+def test_loads_interrupted_or_killed_at_random_while_the_store_hangs(store, mounts):
+    """Rounds of 2-5 readers (O_DIRECT or buffered) of an evicted
+    checkpoint, started while the store hangs; some are interrupted
+    (O_DIRECT) or killed at random moments, then the store answers: every
+    reader left reads the whole file, every one ended returns within
+    seconds, and the cache holds nothing after an evict (no slot left
+    behind by a read given up on)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = random.Random(seed)
+    m = mounts()
+    m.mount(cache_size="64MiB")
+    m.allowed_log = ["backing store"]
+    digests = {}
+    for i in range(2):
+        data = rng.randbytes(rng.randrange(8 * MiB, 20 * MiB))
+        (m.mnt / f"c{i}.pt").write_bytes(data)
+        digests[f"c{i}.pt"] = hashlib.sha256(data).hexdigest()
+    m.wait_durable()
+    for rnd in range(5):
+        where = f"seed {seed}, round {rnd}"
+        m.cli("evict", str(m.mnt))
+        name = rng.choice(sorted(digests))
+        hows = [rng.choice(["direct", "direct", "buffered"]) for _ in range(rng.randrange(2, 6))]
+        readers = [spawn_reader(m.mnt / name, how) for how in hows]
+        try:
+            store.proc.send_signal(signal.SIGSTOP)
+            for r in readers:
+                go(r)
+                time.sleep(rng.random() * 0.2)
+            time.sleep(rng.random() * 0.5)
+            ended = rng.sample(range(len(readers)), rng.randrange(0, len(readers)))
+            for i in ended:
+                if hows[i] == "direct" and rng.random() < 0.6:
+                    readers[i].send_signal(signal.SIGINT)
+                else:
+                    readers[i].kill()
+            start = time.monotonic()
+            for i in ended:
+                readers[i].wait(TIMEOUT)
+            assert time.monotonic() - start < 5, where
+            store.proc.send_signal(signal.SIGCONT)
+            for i, r in enumerate(readers):
+                if i not in ended:
+                    assert next_line(r) == "read " + digests[name], (where, hows[i])
+        finally:
+            store.proc.send_signal(signal.SIGCONT)
+            for r in readers:
+                stop(r)
+        assert hashlib.sha256((m.mnt / name).read_bytes()).hexdigest() == digests[name], where
+        m.cli("evict", str(m.mnt))
+        wait_for(lambda: m.stat()["cache"]["used"] == 0, 10, f"an empty cache ({where})")
+    assert m.stat()["cache"]["chunk_reads_failed"] == 0
 
 
 SAVER = textwrap.dedent(

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -78,7 +77,6 @@ class Frame:
     started: bool = False  # a fill is running (only one ever does)
     failure: BaseException | None = None
     read: Call[bool] | None = None  # its store read, once asked for (shared with the thread)
-    deadline: float = math.inf  # (trio clock) when a read still running is given up on
     expiry: trio.CancelScope = field(default_factory=trio.CancelScope)  # READING_ON's timer
     prefetched: bool = False  # reserved by the read-ahead
     unread: bool = False  # reserved by the read-ahead, no reader yet: counted in unread_bytes
@@ -223,9 +221,7 @@ class FrameCache:
                 self.failed += 1
             self._fail(frame, exc)
             raise
-        frame.state = FrameState.READY
-        frame.last_access = time.monotonic()
-        frame.done.set()
+        self._ready(frame)
 
     async def acquire(
         self, chunk: Chunk, what: str, alloc: Callable[[], int | None]
@@ -282,14 +278,14 @@ class FrameCache:
         # If the loop gives up on this read, the thread's end releases the
         # slots, and completes the frame if its caller was interrupted.
         call = frame.read = Call(on_loop_later(self._read_ended, frame, what))
-        frame.deadline = trio.current_time() + self.io.timeout  # as io.run's own
+        deadline = trio.current_time() + self.io.timeout  # as io.run's own
         try:
             await self.io.run(read, what=f"read chunk of {what}", call=call, interruptible=True)
         except Interrupted:
             # The read was on its way: it goes on, until its deadline. (Else
             # the request was interrupted before, and no read was asked for.)
             if call.abandoned():
-                self._read_on(frame, what)
+                self._read_on(frame, deadline, what)
             raise
         finally:
             if not call.abandoned():
@@ -309,37 +305,41 @@ class FrameCache:
         frame.expiry.cancel()
         if read.outcome() is True:
             self._count_read(frame.chunk)
-            frame.state = FrameState.READY
-            frame.last_access = time.monotonic()
-            frame.done.set()
+            self._ready(frame)
         elif read.began():
             self.failed += 1
             error = read.error()
-            self._fail(frame, error if isinstance(error, OSError) else OSError(
-                errno.EIO, f"read chunk of {what} failed: {error!r}"
-            ))  # fmt: skip
+            if not isinstance(error, OSError):
+                error = OSError(errno.EIO, f"read chunk of {what} failed: {error!r}")
+            self._fail(frame, error)
         else:  # nothing was read: its waiters fill it themselves
             self._fail(frame, Interrupted(f"read chunk of {what}"))
 
-    def _read_on(self, frame: Frame, what: str) -> None:
+    def _read_on(self, frame: Frame, deadline: float, what: str) -> None:
         """Its reader was interrupted: the frame waits for the read (READING_ON)
-        until its deadline, if there is a nursery for that timer."""
+        until ``deadline`` (trio clock), if there is a nursery for that timer."""
         if self.nursery is None:
             return
         try:
-            self.nursery.start_soon(self._expire, frame, what)
+            self.nursery.start_soon(self._expire, frame, deadline, what)
         except RuntimeError:  # the cache is closing: the frame fails now
             return
         frame.state = FrameState.READING_ON
 
-    async def _expire(self, frame: Frame, what: str) -> None:
+    async def _expire(self, frame: Frame, deadline: float, what: str) -> None:
         """A READING_ON frame whose read outlives the deadline its reader's
         wait had fails then, as that wait would have (the store is down)."""
         with frame.expiry:
-            await trio.sleep_until(frame.deadline)
+            await trio.sleep_until(deadline)
             if frame.state is FrameState.READING_ON:
                 self.failed += 1
                 self._fail(frame, self.io.timed_out(f"read chunk of {what}"))
+
+    def _ready(self, frame: Frame) -> None:
+        """The frame's fill succeeded: readable, and its waiters read it."""
+        frame.state = FrameState.READY
+        frame.last_access = time.monotonic()
+        frame.done.set()
 
     def _fail(self, frame: Frame, failure: BaseException) -> None:
         """The frame's fill failed: it goes (its slots once no thread pins

@@ -480,11 +480,47 @@ class Backing:
     async def unlink(self, rel: str) -> None:
         await self.io.run(lambda: os.unlink(rel, dir_fd=self.root_fd), what=f"unlink {rel}")
 
-    async def rename(self, old: str, new: str) -> None:
+    async def rename(self, old: str, new: str, *, after: Callable[[], None] | None = None) -> None:
+        """``after`` runs in the same call once the rename is done."""
+
         def rename() -> None:
             os.rename(old, new, src_dir_fd=self.root_fd, dst_dir_fd=self.root_fd)
+            if after is not None:
+                after()
 
         await self.io.run(rename, what=f"rename {old} -> {new}")
+
+    async def rename_reading(
+        self,
+        old: str,
+        new: str,
+        *,
+        noreplace: bool,
+        rename: bool = True,
+        after: Callable[[], None] | None = None,
+    ) -> tuple[Entry, Entry | None]:
+        """What is at ``old`` and at ``new`` (None: nothing), then, with
+        ``rename``, the rename, all in one backing-store call: the kernel holds
+        the replaced file's inode lock for as long as a RENAME takes, and a
+        reader's lseek(SEEK_END) of that file waits for it. ``after`` runs in
+        the same call once the rename is done. FileNotFoundError if ``old``
+        is gone; FileExistsError with ``noreplace`` if ``new`` is not."""
+
+        def rename_() -> tuple[Entry, Entry | None]:
+            source = _entry_at(self.root_fd, old)
+            try:
+                target: Entry | None = _entry_at(self.root_fd, new)
+            except FileNotFoundError:
+                target = None
+            if target is not None and noreplace:
+                raise FileExistsError(errno.EEXIST, f"{new} exists")
+            if rename:
+                os.rename(old, new, src_dir_fd=self.root_fd, dst_dir_fd=self.root_fd)
+                if after is not None:
+                    after()
+            return source, target
+
+        return await self.io.run(rename_, what=f"rename {old} -> {new}")
 
     async def symlink(self, target: bytes, rel: str) -> None:
         await self.io.run(

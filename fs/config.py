@@ -119,6 +119,12 @@ class Config:
     # by default: it helps a tight loop of loads and slowed spaced ones
     # (README, Benchmark). 0: wait at once.
     request_spin: float = 0.0
+    # A closed file waits this long (seconds) before its flush starts: a
+    # close is often followed at once by a rename (torch.save to a temporary
+    # name, then os.replace), which would otherwise wait for the flush's
+    # manifest publish while the kernel holds the replaced file's inode lock,
+    # and every reader's lseek(SEEK_END) of that file with it. 0: at once.
+    flush_settle: float = 0.02
     backing_timeout: float = 120.0
     run_dir: Path = Path("/run/ckptfs")
     log_file: Path | None = None
@@ -221,6 +227,7 @@ SCHEMA: dict[str, tuple[str, Any]] = {
     "durability": ("durability", _durability),
     "flush.workers": ("flush_workers", lambda v, k: parse_int(v, k, minimum=1)),
     "flush.bandwidth": ("flush_bandwidth", parse_size),
+    "flush.settle": ("flush_settle", _seconds),
     "chunk_size": ("chunk_size", _chunk_size),
     "fuse.writeback_cache": ("writeback_cache", parse_bool),
     "fuse.workers": ("fuse_workers", lambda v, k: parse_int(v, k, minimum=8)),

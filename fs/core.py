@@ -80,6 +80,8 @@ class Core:
             workers=config.flush_workers,
             bandwidth=config.flush_bandwidth,
             chunk_size=config.chunk_size,
+            # A close at durability backing waits for its flush: no settling.
+            settle=0.0 if config.durability == "backing" else config.flush_settle,
             publish=self._publish_flushed,
             on_durable=self._on_durable,
         )

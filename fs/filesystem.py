@@ -15,6 +15,7 @@ name, manifests included.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import logging
@@ -54,6 +55,10 @@ WRITE_BLKSIZE = 1 << 20
 READ_BLKSIZE = 4096
 # Reads of a name that a rename overlapped before a lookup waits for a gap.
 RESOLVE_TRIES = 3
+# An open sent back with ESTALE because a rename replaced its file is retried
+# by the kernel at once: one from the same thread this soon is that retry.
+STALE_OPEN_RETRY = 1.0
+STALE_OPENS_KEPT = 1024
 T = TypeVar("T")
 
 
@@ -89,6 +94,7 @@ class Handle:
     plain_fd: int | None = None
     writable: bool = False
     uid: int = 0  # who opened it: writes by anyone but root clear setuid/setgid
+    tid: int = 0  # the thread that opened it, as the kernel names it (0: unknown)
 
 
 @dataclass
@@ -105,6 +111,7 @@ class SetAttr:
 class Caller:
     uid: int
     gid: int
+    tid: int = 0  # the calling thread, as the kernel names it (0: unknown)
 
 
 @dataclass
@@ -172,6 +179,9 @@ class FileSystem:
         self.dir_handles: dict[int, tuple[int, list[tuple[str, Entry]] | None]] = {}
         self._fh = itertools.count(1)
         self.ns_lock = NamespaceLock()  # path-dependent backing updates (rename vs. publish)
+        # Threads whose open got ESTALE because a rename replaced the file
+        # meanwhile, and when: their retry is not sent back a second time.
+        self._stale_opens: dict[int, float] = {}
         self._retry: set[CachedFile] = set()  # commits that failed; retried in the background
         # Plain files being adopted (by inode): a second open or a setattr of
         # one waits for the adoption, then acts on the adopted file.
@@ -459,14 +469,29 @@ class FileSystem:
             raise FsError(errno.EINVAL, "only RENAME_NOREPLACE is supported")
         old_path = self.inodes.child_path(p_old, old)
         new_path = self.inodes.child_path(p_new, new)
-        async with self.ns_lock.exclusive():
-            source = await self._entry(old_path)
+        with self.ns_lock.replacing(new_path):
+            await self._rename(old_path, new_path, p_old, old, p_new, new, flags)
+
+    async def _rename(
+        self, old_path: str, new_path: str, p_old: int, old: str, p_new: int, new: str, flags: int
+    ) -> None:
+        # The kernel holds the replaced file's inode lock until this returns
+        # (readers' lseek(SEEK_END) of it wait): one backing-store call, if
+        # no buddy has to hear of it first.
+        async with self.ns_lock.exclusive(), contextlib.AsyncExitStack() as held:
+            records = await self._records_renamed(old_path, new_path, held)
             try:
-                target: Entry | None = await self.backing.entry(new_path)
+                source, target = await self.backing.rename_reading(
+                    old_path,
+                    new_path,
+                    noreplace=bool(flags),
+                    rename=self.mirror is None,
+                    after=lambda: self._write_records(records),
+                )
             except FileNotFoundError:
-                target = None
-            if target is not None and flags:
-                raise FsError(errno.EEXIST)
+                raise FsError(errno.ENOENT) from None
+            except FileExistsError:
+                raise FsError(errno.EEXIST) from None
             if self.mirror is not None:
                 # A takeover publishes at the path its buddy knows: a closed,
                 # renamed file (torch.save to a temporary name, then os.replace)
@@ -480,32 +505,56 @@ class FileSystem:
                         if f.path == old_path or f.path.startswith(old_path + "/")
                     ]
                 )
-            await self.backing.rename(old_path, new_path)
+                await self.backing.rename(
+                    old_path, new_path, after=lambda: self._write_records(records)
+                )
             if target is not None and target.ident != source.ident:
                 self._removed(p_new, new, target)
             inode = self.inodes.child(p_old, old) or self._bind(p_old, old, source)
             self.inodes.move(inode, p_new, new)
             inode.checked = None  # a rename moves the manifest's ctime
-            moved = self._repath(old_path, new_path)
-        # Pending versions' journal records name the path recovery looks at.
-        for f in moved:
-            if f.state is FileState.PENDING:
-                await self.cache.journal.save(record_of(self.cache.journal_snapshot(f)))
+            self._repath(old_path, new_path)
 
-    def _repath(self, old: str, new: str) -> list[CachedFile]:
-        moved = []
+    async def _records_renamed(
+        self, old: str, new: str, held: contextlib.AsyncExitStack
+    ) -> dict[tuple[str, str], dict[str, Any]]:
+        """The journal records of the pending versions a rename of ``old``
+        moves, naming the path recovery will find them at, with each
+        record's lock taken in ``held``: they are written in the rename's
+        backing-store call, right after it (a crash in between leaves records
+        naming a path that holds no manifest of theirs, as a crash before a
+        rename would)."""
+        records = {}
+        for f in self.cache.all_files():
+            if f.state is FileState.PENDING and (f.path == old or f.path.startswith(old + "/")):
+                record = record_of(self.cache.journal_snapshot(f))
+                record["path"] = new + f.path[len(old) :]
+                records[(f.file_id, f.version)] = record
+        for key in sorted(records):  # others hold one record's lock at a time
+            await held.enter_async_context(self.cache.journal.locked(key))
+        return records
+
+    def _write_records(self, records: dict[tuple[str, str], dict[str, Any]]) -> None:
+        """In a backing-store call's thread: the journal records, as publish's
+        ``before`` writes its own (journal.write_now)."""
+        for key, record in records.items():
+            try:
+                self.cache.journal.write_now(key, record)
+            except OSError as exc:  # tmpfs full or gone: the rename stands, without crash safety
+                log.error("cache journal for %s not rewritten after its rename (%s): a daemon "
+                          "crash before it is durable loses it", record["path"], exc)  # fmt: skip
+
+    def _repath(self, old: str, new: str) -> None:
         for f in self.cache.all_files():
             if f.path == old or f.path.startswith(old + "/"):
                 f.path = new + f.path[len(old) :]
-                moved.append(f)
-        return moved
 
     # ----- files ------------------------------------------------------------
     def _open_handle(
         self, inode: Inode, f: CachedFile | None, writable: bool, caller: Caller
     ) -> int:
         fh = next(self._fh)
-        self.handles[fh] = Handle(inode, f, writable=writable, uid=caller.uid)
+        self.handles[fh] = Handle(inode, f, writable=writable, uid=caller.uid, tid=caller.tid)
         inode.opens += 1
         if f is not None:
             f.handles += 1
@@ -560,6 +609,8 @@ class FileSystem:
         """Open a file; returns (fh, whether the kernel may keep its cached pages)."""
         inode = self._inode(ino)
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        if inode.kind == "file" and not writable:
+            await self._after_rename_onto(inode, caller)
         if inode.kind == "plain" and not writable:
             # The same plain file (not a manifest written at its name since).
             ino_then = inode.ident[1]
@@ -601,10 +652,67 @@ class FileSystem:
         if (flags & os.O_ACCMODE) != os.O_RDONLY:
             return None
         inode = self._inode(ino)
-        if inode.kind != "file":
+        if inode.kind != "file" or self._open_waits_for_rename(inode, caller) is not None:
             return None
         f = self._file_now(inode, writable=False)
         return None if f is None else self._opened(inode, f, caller)
+
+    def _being_replaced(self, inode: Inode) -> trio.Event | None:
+        """Set once no rename onto the inode's name is in flight; None if none is now."""
+        if not self.ns_lock.any_replacing() or inode.unlinked:
+            return None
+        return self.ns_lock.replacement_of(self.inodes.path(inode.ino))
+
+    def _open_waits_for_rename(self, inode: Inode, caller: Caller) -> trio.Event | None:
+        """What a read-only open of ``inode`` waits for before it opens: the
+        end of a rename in flight onto its name, unless the calling thread
+        has the file open already (torch.load(mmap=True)'s second open, while
+        it reads through its first: it gets the same file, as the rename had
+        not ended when the open came)."""
+        ended = self._being_replaced(inode)
+        if ended is None or self._open_in_thread(inode, caller.tid):
+            return None
+        return ended
+
+    def _open_in_thread(self, inode: Inode, tid: int) -> bool:
+        # Only while a rename is in flight onto the name: a scan of the handles.
+        return bool(tid and inode.opens) and any(
+            h.inode is inode and h.tid == tid for h in self.handles.values()
+        )
+
+    async def _after_rename_onto(self, inode: Inode, caller: Caller) -> None:
+        """A read-only open of a name that a rename in flight is replacing
+        comes after the rename. The kernel walked the path before the rename
+        ended and sent the open for the file it found; were it to get that
+        file, a replace right after a load's first open (torch.save to a
+        temporary name, then os.replace) would give the load's second open
+        the new file whenever the rename took longer than the load's parse,
+        a tear that a rename's backing-store round trips make likely. So the
+        open waits for the rename and, if the file is no longer at the name,
+        answers ESTALE: the kernel walks the path again and opens the new
+        file. A thread's open that comes back after such an ESTALE is not
+        sent back again (the kernel retries once; a second ESTALE would
+        reach the caller): it gets what it asked for."""
+        ended = self._open_waits_for_rename(inode, caller)
+        if ended is None:
+            return
+        path = self.inodes.path(inode.ino)
+        with interruptible(f"{path}: open, waiting for the rename onto its name"):
+            await ended.wait()
+        if inode.unlinked and self._first_stale_open(caller.tid):
+            raise FsError(errno.ESTALE, f"{path}: renamed over while it was opened")
+
+    def _first_stale_open(self, tid: int) -> bool:
+        now = time.monotonic()
+        last = self._stale_opens.get(tid)
+        if last is not None and now - last < STALE_OPEN_RETRY:
+            return False
+        if len(self._stale_opens) >= STALE_OPENS_KEPT:
+            self._stale_opens = {
+                t: at for t, at in self._stale_opens.items() if now - at < STALE_OPEN_RETRY
+            }
+        self._stale_opens[tid] = now
+        return True
 
     def lookup_check_wanted(self, parent: int, name: str) -> CheckPlan | None:
         """A lookup of a name whose inode we hold: a directory, or a file
@@ -673,6 +781,8 @@ class FileSystem:
         f = inode.file
         if inode.kind != "file" or f is None or not _plain_reader_case(inode, f):
             return None
+        if self._being_replaced(inode) is not None:
+            return None  # the loop's open waits for the rename
         return CheckPlan(inode, f, self.inodes.path(ino), self.ns_lock.generation)
 
     def open_checked(
@@ -683,7 +793,7 @@ class FileSystem:
         asks), our copy is still the one to read, and the entry names that
         very version (the same as _file_for's bind then does). None
         otherwise: the loop opens it the usual way, reading again."""
-        if not self._still_checked(check, entry):
+        if not self._still_checked(check, entry) or self._being_replaced(check.inode) is not None:
             return None
         inode, f, m = check.inode, check.f, entry.manifest
         assert m is not None

@@ -154,6 +154,7 @@ class Flusher:
         workers: int,
         bandwidth: int,
         chunk_size: int,
+        settle: float = 0.0,
         publish: Publish,
         on_durable: OnDurable,
     ) -> None:
@@ -162,13 +163,15 @@ class Flusher:
         self.node = node
         self.workers = workers
         self.chunk_size = chunk_size
+        self.settle = settle  # seconds from a file's queueing to its flush
         self.bandwidth = Bandwidth(bandwidth)
         self.publish = publish
         self.on_durable = on_durable
         # Chunks in flight at once, over all files being flushed: never fewer
         # than two, so that one chunk's write overlaps another's fsync.
         self.chunk_limiter = trio.CapacityLimiter(max(MIN_IN_FLIGHT, workers))
-        self._send, self._recv = trio.open_memory_channel[CachedFile](math.inf)
+        # Each queued file with when it was queued (trio's clock).
+        self._send, self._recv = trio.open_memory_channel[tuple[CachedFile, float]](math.inf)
         self._queued: set[CachedFile] = set()
         self._again: set[CachedFile] = set()
         self.active: set[CachedFile] = set()
@@ -192,7 +195,7 @@ class Flusher:
             self._again.add(f)
         elif f not in self._queued:
             self._queued.add(f)
-            self._send.send_nowait(f)
+            self._send.send_nowait((f, trio.current_time()))
 
     @property
     def queued(self) -> int:
@@ -207,7 +210,9 @@ class Flusher:
     async def _worker(self) -> None:
         # Nothing may end this loop: chunk tasks fail as ExceptionGroups, and
         # a dead worker would leave files pending forever (or end the daemon).
-        async for f in self._recv:
+        async for f, queued_at in self._recv:
+            # Queued again meanwhile: flushed once, with what it holds then.
+            await trio.sleep_until(queued_at + self.settle)
             self._queued.discard(f)
             try:
                 await self.flush_file(f)

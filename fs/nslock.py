@@ -12,12 +12,18 @@ between the two. Lookups do not take the lock (they would wait behind every
 publish a queued rename waits for): they read ``generation`` before their
 read and bind only if it is unchanged after it (``stable_since``), else read
 again; after a few tries they take it shared (``reading``).
+
+A rename onto a name is in flight from the moment its request arrives
+(``replacing``), before it may take the lock: a read-only open of the file
+at that name then waits for it (FileSystem.open), so that a process loading
+a checkpoint while it is replaced does not read the old file through its
+first open and the new one through its second (torch.load(mmap=True)).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 
 import trio
 
@@ -33,6 +39,32 @@ class NamespaceLock:
         # Odd while an exclusive holder changes the namespace; bumped as it
         # starts and as it ends.
         self.generation = 0
+        # Paths renames in flight are moving a file onto: how many, and the
+        # event set when the last of them ends.
+        self._replacing: dict[str, tuple[int, trio.Event]] = {}
+
+    @contextmanager
+    def replacing(self, path: str) -> Iterator[None]:
+        """A rename onto ``path`` is in flight for the body, whatever its outcome."""
+        renames, ended = self._replacing.get(path, (0, trio.Event()))
+        self._replacing[path] = (renames + 1, ended)
+        try:
+            yield
+        finally:
+            renames, ended = self._replacing[path]
+            if renames == 1:
+                del self._replacing[path]
+                ended.set()
+            else:
+                self._replacing[path] = (renames - 1, ended)
+
+    def any_replacing(self) -> bool:
+        return bool(self._replacing)
+
+    def replacement_of(self, path: str) -> trio.Event | None:
+        """Set once no rename onto ``path`` is in flight; None if none is now."""
+        got = self._replacing.get(path)
+        return None if got is None else got[1]
 
     @asynccontextmanager
     async def exclusive(self) -> AsyncIterator[None]:

@@ -163,7 +163,7 @@ def _writes(flags: int) -> bool:
 
 
 def _caller(req: Request) -> Caller:
-    return Caller(req.uid, req.gid)
+    return Caller(req.uid, req.gid, req.pid)
 
 
 def _name(raw: bytes) -> str:

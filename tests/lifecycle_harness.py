@@ -104,6 +104,7 @@ class Harness:
         self.config.chunk_size = 3 * slot_size  # chunks straddle pages
         self.config.flush_workers = 1  # others wait in the queue, unpinned
         self.config.cache_prefault = False
+        self.config.flush_settle = 0.0  # background steps run the flusher at once
         self.core: Core | None = None
         self.gate: Gate | None = None
         self._token: trio.lowlevel.TrioToken | None = None

@@ -59,6 +59,13 @@ def read_inode(h: Harness, ino: int) -> bytes:
         h.call(fs.release, fh)
 
 
+def read_handle(h: Harness, fh: int) -> bytes:
+    out = bytearray()
+    while piece := h.call(h.core.fs.read, fh, len(out), 5000):
+        out += piece
+    return bytes(out)
+
+
 def close(h: Harness, *fhs: int) -> None:
     """close() of each handle (FLUSH, then RELEASE); then the flusher runs."""
     for fh in fhs:
@@ -188,6 +195,121 @@ def test_a_lookup_racing_a_rename_binds_what_the_name_is(h: Harness) -> None:
     # The file it replaced is kept for the inode the kernel still has (from its create).
     assert read_inode(h, old_ino) == old
     forget(h, old_ino)
+    consistent(h)
+
+
+def test_an_open_while_a_rename_replaces_its_file_comes_after_the_rename(h: Harness) -> None:
+    """torch.load(mmap=True) reads through one open and opens the path again
+    for the mmap. An open that the kernel sends for the file a path walk found
+    while a rename onto that name is still in flight (the rename waits for the
+    backing store) waits for the rename and answers ESTALE, so that the kernel
+    walks the path again and opens the new file: the load then reads one
+    version, not the old one through its first open and the new one through
+    its second. A thread that has the old file open already (that second
+    open) gets it at once; a thread sent back once is not sent back again by
+    a second rename (the kernel retries only once, then fails the open)."""
+    old, new, newer = (random.randbytes(SIZE) for _ in range(3))
+    ino = save(h, "model.pt", old)
+    h.direct(h.background_steps, 100)
+    fs = h.core.fs
+    loader = Caller(0, 0, tid=101)  # in a load of model.pt: it has the file open
+    fh_loading, _ = h.call(fs.open, ino, os.O_RDONLY, loader)
+    save(h, "model.pt.tmp", new)
+    real_rename = fs.backing.rename_reading
+    events: dict[str, trio.Event] = {}
+    results: dict[str, Any] = {}
+
+    async def held_rename(*args: Any, **kw: Any) -> Any:
+        events["renaming"].set()
+        await events["go_on"].wait()
+        return await real_rename(*args, **kw)
+
+    async def open_as(key: str, ino: int, caller: Caller) -> None:
+        try:
+            results[key] = (await fs.open(ino, os.O_RDONLY, caller))[0]
+        except OSError as exc:
+            results[key] = errno.errorcode[exc.errno]
+
+    async def race(source: str, other: Caller, opener: str) -> None:
+        h.gate.grant("fg", 10_000)
+        h.gate.grant("bg", 10_000)
+        events.update(renaming=trio.Event(), go_on=trio.Event())
+        results.pop("renamed", None)
+        fs.backing.rename_reading = held_rename
+        try:
+            async with trio.open_nursery() as nursery:
+
+                async def replace() -> None:
+                    await fs.rename(ROOT, source, ROOT, "model.pt", 0)
+                    results["renamed"] = True
+
+                nursery.start_soon(replace)
+                with trio.fail_after(10):
+                    await events["renaming"].wait()
+                target = fs.inodes.child(ROOT, "model.pt").ino
+                # No answer without the loop's wait: neither fast path opens it.
+                assert fs.open_now(target, os.O_RDONLY, other) is None
+                assert fs.open_check_wanted(target, os.O_RDONLY) is None
+                nursery.start_soon(open_as, opener, target, other)
+                if opener == "other":
+                    # The loading thread's second open: the file it reads, now.
+                    opened = fs.open_now(target, os.O_RDONLY, loader)
+                    assert opened is not None
+                    results["loader"] = opened[0]
+                await trio.testing.wait_all_tasks_blocked()
+                assert opener not in results and "renamed" not in results
+                events["go_on"].set()
+        finally:
+            fs.backing.rename_reading = real_rename
+
+    h.direct(race, "model.pt.tmp", Caller(0, 0, tid=202), "other")
+    assert results["other"] == "ESTALE"  # the kernel walks again: the new file
+    assert read_handle(h, results["loader"]) == old
+    new_ino = h.call(fs.lookup, ROOT, "model.pt").ino
+    assert new_ino != ino and read_inode(h, new_ino) == new
+
+    # Its retry meets a second rename onto the name: it waits, then opens.
+    save(h, "model.pt.tmp2", newer)
+    h.direct(race, "model.pt.tmp2", Caller(0, 0, tid=202), "retry")
+    assert read_handle(h, results["retry"]) == new
+    for fh in (fh_loading, results["loader"], results["retry"]):
+        h.call(fs.release, fh)
+    assert read_inode(h, h.call(fs.lookup, ROOT, "model.pt").ino) == newer
+    forget(h, ino)
+    forget(h, new_ino)
+    consistent(h)
+
+
+def test_a_rename_right_after_a_save_finds_no_flush_to_wait_for(h: Harness) -> None:
+    """torch.save to a temporary name, then os.replace. The kernel holds the
+    replaced file's inode lock for as long as the RENAME takes, and readers'
+    lseek(SEEK_END) of it waits for that lock; a flush that started at the
+    close would make the rename wait for its manifest publish. The flush
+    starts ``flush.settle`` after the close: the rename finds none, and the
+    file is flushed once, at its final name."""
+    fs = h.core.fs
+    settle = 0.5
+    h.core.flusher.settle = settle
+    old, new = random.randbytes(SIZE), random.randbytes(SIZE)
+    first = save(h, "model.pt", old)
+    time.sleep(settle + 0.1)
+    h.direct(h.background_steps, 100)
+    assert fs.inodes[first].file.state is FileState.DURABLE
+    start = time.monotonic()
+    f = fs.inodes[save(h, "model.pt.tmp", new)].file
+    assert f.state is FileState.PENDING and f.flushing is None
+    assert not h.gate.waiting["bg"]  # the flusher waits for the settle, not at the store
+    h.call(fs.rename, ROOT, "model.pt.tmp", ROOT, "model.pt", 0)
+    assert time.monotonic() - start < settle, "the test's premise: all within the settle"
+    assert f.flushing is None and f.path == "model.pt"
+    time.sleep(settle + 0.1)
+    h.direct(h.background_steps, 100)
+    assert f.state is FileState.DURABLE
+    manifests = h.manifests()
+    assert "model.pt.tmp" not in manifests
+    assert (manifests["model.pt"].file_id, manifests["model.pt"].state) == (f.file_id, "durable")
+    assert name_reads(h, "model.pt") == new
+    forget(h, first)
     consistent(h)
 
 

@@ -169,7 +169,9 @@ def test_an_ordinary_users_own_daemon() -> None:
             # the daemon dies.
             mount(caches[1], CKPTFS_FLUSH_BANDWIDTH="1KiB")
             assert run_job("save") == [str(NOBODY), str(NOBODY), "0o644"]
-            assert state() == "dirty"
+            # Pending: its flush not started yet, or started and crawling
+            # (which, depends on when the settle after the first close ended).
+            assert state() in ("dirty", "flushing")
             m.kill()
             if refused:
                 # A failed mount must keep what the dead daemon left.

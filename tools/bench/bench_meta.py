@@ -56,10 +56,8 @@ import gc
 import io
 import mmap
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 import zipfile
@@ -74,12 +72,11 @@ from .benchlib import (
     BenchError,
     Layout,
     ckptfs,
-    is_mounted,
     machine,
     markdown_lines,
     mount,
     print_lines,
-    run_mounted,
+    run_in_shm_workdir,
     stat_json,
     table_lines,
 )
@@ -651,18 +648,7 @@ def benchmark(args: argparse.Namespace, layout: Layout) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    made = args.workdir is None
-    if made:
-        args.workdir = Path(tempfile.mkdtemp(prefix="ckptfs-bench-meta-", dir="/dev/shm"))
-    status = run_mounted("bench_meta", args, benchmark)
-    if made and not args.keep and status == 0:
-        if is_mounted(args.workdir.resolve() / "mnt"):
-            print(f"left {args.workdir} in place: its mnt/ is still mounted")
-        else:
-            shutil.rmtree(args.workdir, ignore_errors=True)
-    elif made:
-        print(f"bench_meta: files and the daemon log left in {args.workdir}", file=sys.stderr)
-    return status
+    return run_in_shm_workdir("bench_meta", args, benchmark)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -468,6 +469,26 @@ def run_mounted(
     finally:
         if layout is not None:
             cleanup(layout, args.keep)
+
+
+def run_in_shm_workdir(
+    prog: str, args: argparse.Namespace, benchmark: Callable[[argparse.Namespace, Layout], None]
+) -> int:
+    """:func:`run_mounted`, in a new work directory in /dev/shm unless
+    ``args.workdir`` names one; that new directory is removed afterwards
+    unless the run failed or ``args.keep`` asks to keep it."""
+    made = args.workdir is None
+    if made:
+        args.workdir = Path(tempfile.mkdtemp(prefix=f"ckptfs-{prog}-", dir="/dev/shm"))
+    status = run_mounted(prog, args, benchmark)
+    if made and not args.keep and status == 0:
+        if is_mounted(args.workdir.resolve() / "mnt"):
+            print(f"left {args.workdir} in place: its mnt/ is still mounted")
+        else:
+            shutil.rmtree(args.workdir, ignore_errors=True)
+    elif made:
+        print(f"{prog}: files and the daemon log left in {args.workdir}", file=sys.stderr)
+    return status
 
 
 # ----- the state dict (bench_save_load, bench_dedup) ----------------------------------------

@@ -480,15 +480,18 @@ class Backing:
     async def unlink(self, rel: str) -> None:
         await self.io.run(lambda: os.unlink(rel, dir_fd=self.root_fd), what=f"unlink {rel}")
 
-    async def rename(self, old: str, new: str, *, after: Callable[[], None] | None = None) -> None:
-        """``after`` runs in the same call once the rename is done."""
+    async def rename(self, old: str, new: str, *, before: Callable[[], None] | None = None) -> None:
+        """``before`` runs in the same call, just before the rename; neither
+        runs if the loop gave up on the call (a timeout) before."""
 
-        def rename() -> None:
+        def rename(call: Call[None]) -> None:
+            if before is not None and not call.abandoned():
+                before()
+            if call.abandoned():
+                raise OSError(errno.ETIMEDOUT, f"rename {old} -> {new}: given up on")
             os.rename(old, new, src_dir_fd=self.root_fd, dst_dir_fd=self.root_fd)
-            if after is not None:
-                after()
 
-        await self.io.run(rename, what=f"rename {old} -> {new}")
+        await self.io.run(rename, what=f"rename {old} -> {new}", with_call=True)
 
     async def rename_reading(
         self,
@@ -497,16 +500,17 @@ class Backing:
         *,
         noreplace: bool,
         rename: bool = True,
-        after: Callable[[], None] | None = None,
+        before: Callable[[], None] | None = None,
     ) -> tuple[Entry, Entry | None]:
         """What is at ``old`` and at ``new`` (None: nothing), then, with
         ``rename``, the rename, all in one backing-store call: the kernel holds
         the replaced file's inode lock for as long as a RENAME takes, and a
-        reader's lseek(SEEK_END) of that file waits for it. ``after`` runs in
-        the same call once the rename is done. FileNotFoundError if ``old``
-        is gone; FileExistsError with ``noreplace`` if ``new`` is not."""
+        reader's lseek(SEEK_END) of that file waits for it. ``before`` runs
+        in the same call just before the rename; neither runs if the loop gave
+        up on the call before (a timeout). FileNotFoundError if ``old`` is
+        gone; FileExistsError with ``noreplace`` if ``new`` is not."""
 
-        def rename_() -> tuple[Entry, Entry | None]:
+        def rename_(call: Call[tuple[Entry, Entry | None]]) -> tuple[Entry, Entry | None]:
             source = _entry_at(self.root_fd, old)
             try:
                 target: Entry | None = _entry_at(self.root_fd, new)
@@ -515,12 +519,14 @@ class Backing:
             if target is not None and noreplace:
                 raise FileExistsError(errno.EEXIST, f"{new} exists")
             if rename:
+                if before is not None and not call.abandoned():
+                    before()
+                if call.abandoned():
+                    raise OSError(errno.ETIMEDOUT, f"rename {old} -> {new}: given up on")
                 os.rename(old, new, src_dir_fd=self.root_fd, dst_dir_fd=self.root_fd)
-                if after is not None:
-                    after()
             return source, target
 
-        return await self.io.run(rename_, what=f"rename {old} -> {new}")
+        return await self.io.run(rename_, what=f"rename {old} -> {new}", with_call=True)
 
     async def symlink(self, target: bytes, rel: str) -> None:
         await self.io.run(

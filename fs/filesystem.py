@@ -55,10 +55,10 @@ WRITE_BLKSIZE = 1 << 20
 READ_BLKSIZE = 4096
 # Reads of a name that a rename overlapped before a lookup waits for a gap.
 RESOLVE_TRIES = 3
-# An open sent back with ESTALE because a rename replaced its file is retried
-# by the kernel at once: one from the same thread this soon is that retry.
-STALE_OPEN_RETRY = 1.0
+# Threads whose open was sent back with ESTALE (a rename replaced its file)
+# are remembered until their retry, or, past this many, for this long.
 STALE_OPENS_KEPT = 1024
+STALE_OPEN_FORGOTTEN = 60.0
 T = TypeVar("T")
 
 
@@ -467,18 +467,28 @@ class FileSystem:
     async def rename(self, p_old: int, old: str, p_new: int, new: str, flags: int) -> None:
         if flags & ~getattr(os, "RENAME_NOREPLACE", 1):
             raise FsError(errno.EINVAL, "only RENAME_NOREPLACE is supported")
-        old_path = self.inodes.child_path(p_old, old)
-        new_path = self.inodes.child_path(p_new, new)
-        with self.ns_lock.replacing(new_path):
-            await self._rename(old_path, new_path, p_old, old, p_new, new, flags)
+        # Opens of the file at the target name wait from now on (the path as
+        # it is now: a rename of a parent meanwhile only makes them not wait).
+        with self.ns_lock.replacing(self.inodes.child_path(p_new, new)):
+            late = await self._rename(p_old, old, p_new, new, flags)
+        # Pending versions' journal records name the path recovery looks at;
+        # these became pending while the rename took its locks.
+        for f in late:
+            if f.state is FileState.PENDING:
+                await self.cache.journal.save(record_of(self.cache.journal_snapshot(f)))
 
     async def _rename(
-        self, old_path: str, new_path: str, p_old: int, old: str, p_new: int, new: str, flags: int
-    ) -> None:
+        self, p_old: int, old: str, p_new: int, new: str, flags: int
+    ) -> list[CachedFile]:
+        """The rename; returns the files it moved that became pending after
+        it took their record locks (their records name the old path)."""
         # The kernel holds the replaced file's inode lock until this returns
         # (readers' lseek(SEEK_END) of it wait): one backing-store call, if
         # no buddy has to hear of it first.
         async with self.ns_lock.exclusive(), contextlib.AsyncExitStack() as held:
+            # Under the lock: a rename of a parent directory may have run meanwhile.
+            old_path = self.inodes.child_path(p_old, old)
+            new_path = self.inodes.child_path(p_new, new)
             records = await self._records_renamed(old_path, new_path, held)
             try:
                 source, target = await self.backing.rename_reading(
@@ -486,7 +496,7 @@ class FileSystem:
                     new_path,
                     noreplace=bool(flags),
                     rename=self.mirror is None,
-                    after=lambda: self._write_records(records),
+                    before=lambda: self._write_records(records),
                 )
             except FileNotFoundError:
                 raise FsError(errno.ENOENT) from None
@@ -506,32 +516,46 @@ class FileSystem:
                     ]
                 )
                 await self.backing.rename(
-                    old_path, new_path, after=lambda: self._write_records(records)
+                    old_path, new_path, before=lambda: self._write_records(records)
                 )
             if target is not None and target.ident != source.ident:
                 self._removed(p_new, new, target)
             inode = self.inodes.child(p_old, old) or self._bind(p_old, old, source)
             self.inodes.move(inode, p_new, new)
             inode.checked = None  # a rename moves the manifest's ctime
-            self._repath(old_path, new_path)
+            moved = self._repath(old_path, new_path)
+        return [f for f in moved if (f.file_id, f.version) not in records]
 
     async def _records_renamed(
         self, old: str, new: str, held: contextlib.AsyncExitStack
     ) -> dict[tuple[str, str], dict[str, Any]]:
         """The journal records of the pending versions a rename of ``old``
-        moves, naming the path recovery will find them at, with each
-        record's lock taken in ``held``: they are written in the rename's
-        backing-store call, right after it (a crash in between leaves records
-        naming a path that holds no manifest of theirs, as a crash before a
-        rename would)."""
-        records = {}
-        for f in self.cache.all_files():
-            if f.state is FileState.PENDING and (f.path == old or f.path.startswith(old + "/")):
-                record = record_of(self.cache.journal_snapshot(f))
-                record["path"] = new + f.path[len(old) :]
-                records[(f.file_id, f.version)] = record
-        for key in sorted(records):  # others hold one record's lock at a time
+        moves, with each record's lock taken in ``held``. They are written in
+        the rename's backing-store call, just before it, naming the new path
+        and the old one (``renamed_from``): recovery looks at both, so a
+        crash on either side of the rename finds the manifest."""
+
+        def moving() -> dict[tuple[str, str], CachedFile]:
+            return {
+                (f.file_id, f.version): f
+                for f in self.cache.all_files()
+                if f.state is FileState.PENDING and (f.path == old or f.path.startswith(old + "/"))
+            }
+
+        # Locks first (each acquire may let a writer run), records after: a
+        # writer that dropped a record meanwhile made its file MODIFIED, and
+        # one that comes later waits for the lock, so no dropped record is
+        # written back.
+        locked = sorted(moving())
+        for key in locked:  # others hold one record's lock at a time
             await held.enter_async_context(self.cache.journal.locked(key))
+        records = {}
+        for key, f in moving().items():
+            if key not in locked:
+                continue  # pending only since: saved after the rename (see rename)
+            record = record_of(self.cache.journal_snapshot(f))
+            record["path"], record["renamed_from"] = new + f.path[len(old) :], f.path
+            records[key] = record
         return records
 
     def _write_records(self, records: dict[tuple[str, str], dict[str, Any]]) -> None:
@@ -540,14 +564,17 @@ class FileSystem:
         for key, record in records.items():
             try:
                 self.cache.journal.write_now(key, record)
-            except OSError as exc:  # tmpfs full or gone: the rename stands, without crash safety
-                log.error("cache journal for %s not rewritten after its rename (%s): a daemon "
+            except Exception as exc:  # tmpfs full or gone: the rename goes on, without crash safety
+                log.error("cache journal for %s not rewritten for its rename (%s): a daemon "
                           "crash before it is durable loses it", record["path"], exc)  # fmt: skip
 
-    def _repath(self, old: str, new: str) -> None:
+    def _repath(self, old: str, new: str) -> list[CachedFile]:
+        moved = []
         for f in self.cache.all_files():
             if f.path == old or f.path.startswith(old + "/"):
                 f.path = new + f.path[len(old) :]
+                moved.append(f)
+        return moved
 
     # ----- files ------------------------------------------------------------
     def _open_handle(
@@ -703,13 +730,16 @@ class FileSystem:
             raise FsError(errno.ESTALE, f"{path}: renamed over while it was opened")
 
     def _first_stale_open(self, tid: int) -> bool:
-        now = time.monotonic()
-        last = self._stale_opens.get(tid)
-        if last is not None and now - last < STALE_OPEN_RETRY:
+        """Whether this thread's open may be sent back: not if the last one
+        was (that is the kernel's retry, however long its lookup took). The
+        thread's next open of this kind takes the mark back. Callers the
+        kernel names 0 (another PID namespace) share one mark."""
+        if self._stale_opens.pop(tid, None) is not None:
             return False
-        if len(self._stale_opens) >= STALE_OPENS_KEPT:
+        now = time.monotonic()
+        if len(self._stale_opens) >= STALE_OPENS_KEPT:  # threads that never came back
             self._stale_opens = {
-                t: at for t, at in self._stale_opens.items() if now - at < STALE_OPEN_RETRY
+                t: at for t, at in self._stale_opens.items() if now - at < STALE_OPEN_FORGOTTEN
             }
         self._stale_opens[tid] = now
         return True
@@ -1067,7 +1097,10 @@ class FileSystem:
 
         def save_record() -> None:
             # In the same backing-store call, before the manifest: recovery must
-            # find the record of any pending manifest it finds.
+            # find the record of any pending manifest it finds. The path is
+            # read here, under the namespace lock: a rename while the buddy
+            # took the content (before the lock) moved the file.
+            record["path"] = f.path
             try:
                 journal.write_now(key, record)
             except OSError as exc:  # tmpfs full or gone: publish anyway, without crash safety

@@ -2,7 +2,9 @@
 
 The journal (journal.py) lists, for each version this node published but had
 not made durable, which arena slots hold its bytes. A record is adopted only
-if the manifest at its path still names its file id and version as pending:
+if the manifest at its path (or, for a record a rename rewrote just before
+renaming, at the path it had: ``renamed_from``) still names its file id and
+version as pending:
 then nothing changed those slots (a change drops the record first), and the
 file is queued for flushing as if it had just been closed. Every other record
 is stale (the version became durable, was replaced or removed) and is deleted.
@@ -19,12 +21,27 @@ from .arena import Arena
 from .backing import Backing
 from .cache import Cache
 from .journal import Journal
+from .manifest import Manifest
 
 log = logging.getLogger("ckptfs.recovery")
 
 
 def _slots(record: dict[str, Any]) -> set[int]:
     return {int(entry[0]) for entry in record["dirty"].values()}
+
+
+async def _pending_at(backing: Backing, path: str, key: tuple[str, str]) -> Manifest | None:
+    """The manifest at ``path`` if it names version ``key`` as pending."""
+    try:
+        manifest = await backing.manifest(path)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.error("cannot read the manifest of %s to recover it: %s", path, exc)
+        return None
+    if manifest is None or (manifest.file_id, manifest.version) != key:
+        return None
+    return manifest if manifest.state == "pending" else None
 
 
 async def recover(cache: Cache, journal: Journal, backing: Backing, arena: Arena) -> int:
@@ -35,21 +52,13 @@ async def recover(cache: Cache, journal: Journal, backing: Backing, arena: Arena
     for record in records:
         key = (record.get("file_id", "?"), record.get("version", "?"))
         path = record.get("path", "?")
-        try:
-            manifest = await backing.manifest(path)
-        except FileNotFoundError:
-            manifest = None
-        except (OSError, ValueError) as exc:
-            log.error("cannot read the manifest of %s to recover it: %s", path, exc)
-            manifest = None
+        manifest = await _pending_at(backing, path, key)
+        if manifest is None and isinstance(record.get("renamed_from"), str):
+            # The daemon died between rewriting the record and the rename.
+            path = record["path"] = record["renamed_from"]
+            manifest = await _pending_at(backing, path, key)
         slots = _slots(record)
-        if (
-            manifest is None
-            or (manifest.file_id, manifest.version) != key
-            or manifest.state != "pending"
-            or slots & claimed
-            or max(slots, default=-1) >= arena.nslots
-        ):
+        if manifest is None or slots & claimed or max(slots, default=-1) >= arena.nslots:
             await journal.run_sync(journal.remove_now, key)
             continue
         claimed |= slots

@@ -288,7 +288,7 @@ def test_a_rename_right_after_a_save_finds_no_flush_to_wait_for(h: Harness) -> N
     starts ``flush.settle`` after the close: the rename finds none, and the
     file is flushed once, at its final name."""
     fs = h.core.fs
-    settle = 0.5
+    settle = 1.0  # the save and the rename take milliseconds: well inside it
     h.core.flusher.settle = settle
     old, new = random.randbytes(SIZE), random.randbytes(SIZE)
     first = save(h, "model.pt", old)
@@ -310,6 +310,51 @@ def test_a_rename_right_after_a_save_finds_no_flush_to_wait_for(h: Harness) -> N
     assert (manifests["model.pt"].file_id, manifests["model.pt"].state) == (f.file_id, "durable")
     assert name_reads(h, "model.pt") == new
     forget(h, first)
+    consistent(h)
+
+
+class _Died(Exception):
+    pass
+
+
+def test_a_daemon_dying_inside_a_rename_keeps_the_pending_file(h: Harness) -> None:
+    """A rename rewrites the journal records of the pending files it moves
+    in its backing-store call, just before the rename, naming both paths:
+    a daemon that dies between the two recovers the file at its old path,
+    one that dies after the rename at its new one."""
+    fs = h.core.fs
+    real = fs.backing.rename_reading
+    first, second = random.randbytes(SIZE), random.randbytes(SIZE)
+
+    async def dies_before_renaming(*args: Any, before: Any = None, **kw: Any) -> Any:
+        def records_then_death() -> None:
+            before()
+            raise _Died
+
+        return await real(*args, before=records_then_death, **kw)
+
+    save(h, "model.pt.tmp", first)  # pending: the flusher has not run
+    fs.backing.rename_reading = dies_before_renaming
+    with pytest.raises(_Died):
+        h.call(fs.rename, ROOT, "model.pt.tmp", ROOT, "model.pt", 0)
+    h.crash()
+    h.start()
+    fs = h.core.fs
+    assert set(h.manifests()) == {"model.pt.tmp"}
+    assert h.manifests()["model.pt.tmp"].state == "pending"
+    assert name_reads(h, "model.pt.tmp") == first  # from the recovered RAM copy
+
+    save(h, "model.pt.tmp", second)
+    h.call(fs.rename, ROOT, "model.pt.tmp", ROOT, "model.pt", 0)
+    h.crash()
+    h.start()
+    fs = h.core.fs
+    assert set(h.manifests()) == {"model.pt"}
+    assert h.manifests()["model.pt"].state == "pending"
+    assert name_reads(h, "model.pt") == second
+    h.direct(h.background_steps, 100)
+    assert h.manifests()["model.pt"].state == "durable"
+    assert name_reads(h, "model.pt") == second
     consistent(h)
 
 

@@ -409,6 +409,8 @@ def spaced_load_windows(
 
 
 def p90(values: list[int]) -> float:
+    if len(values) < 2:  # --spaced 1: one load a round
+        return float(values[0])
     return statistics.quantiles(values, n=10, method="inclusive")[8]
 
 

@@ -182,6 +182,10 @@ class FileSystem:
         # Threads whose open got ESTALE because a rename replaced the file
         # meanwhile, and when: their retry is not sent back a second time.
         self._stale_opens: dict[int, float] = {}
+        # Read-only opens that waited for a rename onto their name, and of
+        # those, the ones sent back to walk the path again (`ckptfs stat`).
+        self.opens_waited_for_rename = 0
+        self.opens_sent_back = 0
         self._retry: set[CachedFile] = set()  # commits that failed; retried in the background
         # Plain files being adopted (by inode): a second open or a setattr of
         # one waits for the adoption, then acts on the adopted file.
@@ -724,9 +728,11 @@ class FileSystem:
         if ended is None:
             return
         path = self.inodes.path(inode.ino)
+        self.opens_waited_for_rename += 1
         with interruptible(f"{path}: open, waiting for the rename onto its name"):
             await ended.wait()
         if inode.unlinked and self._first_stale_open(caller.tid):
+            self.opens_sent_back += 1
             raise FsError(errno.ESTALE, f"{path}: renamed over while it was opened")
 
     def _first_stale_open(self, tid: int) -> bool:
@@ -1330,7 +1336,12 @@ class FileSystem:
                 os.close(handle.plain_fd)
 
     def describe(self) -> dict[str, Any]:
-        return {"handles": len(self.handles), "inodes": len(self.inodes.by_ino)}
+        return {
+            "handles": len(self.handles),
+            "inodes": len(self.inodes.by_ino),
+            "opens_waited_for_rename": self.opens_waited_for_rename,
+            "opens_sent_back": self.opens_sent_back,
+        }
 
 
 def _adopted(f: CachedFile, entry: Entry) -> bool:

@@ -140,10 +140,16 @@ def test_replace_while_other_processes_load(mounts, tmp_path, record_property):
     d.mkdir()
     last, s_mount, on_mount = race(d, tmp_path / "race-mount")
 
+    fuse = a.stat()["fuse"]
     report = [
         summary("plain directory", last_plain, s_plain, on_plain),
-        summary("ckptfs mount", last, s_mount, on_mount),
+        summary("ckptfs mount", last, s_mount, on_mount)
+        + f"; opens that waited for a rename onto their name: "
+        f"{fuse['opens_waited_for_rename']}, sent to walk again: {fuse['opens_sent_back']}",
     ]
+    if fuse["opens_waited_for_rename"]:  # when an open met a rename in flight (most runs)
+        line = f"{fuse['opens_waited_for_rename']} open(s) waited for a rename onto their name"
+        assert line in a.cli("stat", str(a.mnt)).stdout
     record_property("replace_race", report)
     print("\n" + "\n".join(report))
     check_race(on_plain)

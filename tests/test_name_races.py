@@ -264,6 +264,7 @@ def test_an_open_while_a_rename_replaces_its_file_comes_after_the_rename(h: Harn
 
     h.direct(race, "model.pt.tmp", Caller(0, 0, tid=202), "other")
     assert results["other"] == "ESTALE"  # the kernel walks again: the new file
+    assert (fs.opens_waited_for_rename, fs.opens_sent_back) == (1, 1)
     assert read_handle(h, results["loader"]) == old
     new_ino = h.call(fs.lookup, ROOT, "model.pt").ino
     assert new_ino != ino and read_inode(h, new_ino) == new
@@ -272,6 +273,7 @@ def test_an_open_while_a_rename_replaces_its_file_comes_after_the_rename(h: Harn
     save(h, "model.pt.tmp2", newer)
     h.direct(race, "model.pt.tmp2", Caller(0, 0, tid=202), "retry")
     assert read_handle(h, results["retry"]) == new
+    assert (fs.opens_waited_for_rename, fs.opens_sent_back) == (2, 1)
     for fh in (fh_loading, results["loader"], results["retry"]):
         h.call(fs.release, fh)
     assert read_inode(h, h.call(fs.lookup, ROOT, "model.pt").ino) == newer

@@ -81,6 +81,11 @@ def format_stat(s: dict[str, Any]) -> str:
             f"fuse:    {fuse['handles']} open handle(s), {fuse['inodes']} inode(s); "
             f"idle CPUs {cpu_latency_text(fuse['cpu_latency'])}"
         )
+    if fuse.get("opens_waited_for_rename"):
+        lines.append(
+            f"         {fuse['opens_waited_for_rename']} open(s) waited for a rename onto "
+            f"their name, {fuse['opens_sent_back']} of them sent to walk the path again"
+        )
     if "burst_latency" in fuse:
         burst = cpu_latency_text(fuse["burst_latency"], "fuse.burst_latency_hold")
         lines.append(f"         in bursts of small requests: {burst}")

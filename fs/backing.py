@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .blocking import BackingIO, Call
 from .chunkstore import CKPTFS_DIR
@@ -484,14 +485,20 @@ class Backing:
         """``before`` runs in the same call, just before the rename; neither
         runs if the loop gave up on the call (a timeout) before."""
 
-        def rename(call: Call[None]) -> None:
-            if before is not None and not call.abandoned():
-                before()
-            if call.abandoned():
-                raise OSError(errno.ETIMEDOUT, f"rename {old} -> {new}: given up on")
-            os.rename(old, new, src_dir_fd=self.root_fd, dst_dir_fd=self.root_fd)
+        await self.io.run(
+            self._rename_in_call, old, new, before, what=f"rename {old} -> {new}", with_call=True
+        )
 
-        await self.io.run(rename, what=f"rename {old} -> {new}", with_call=True)
+    def _rename_in_call(
+        self, call: Call[Any], old: str, new: str, before: Callable[[], None] | None
+    ) -> None:
+        """In a store call's thread: ``before``, then the rename, each only
+        if the loop has not given up on the call (its locks are gone then)."""
+        if before is not None and not call.abandoned():
+            before()
+        if call.abandoned():
+            raise OSError(errno.ETIMEDOUT, f"rename {old} -> {new}: given up on")
+        os.rename(old, new, src_dir_fd=self.root_fd, dst_dir_fd=self.root_fd)
 
     async def rename_reading(
         self,
@@ -519,11 +526,7 @@ class Backing:
             if target is not None and noreplace:
                 raise FileExistsError(errno.EEXIST, f"{new} exists")
             if rename:
-                if before is not None and not call.abandoned():
-                    before()
-                if call.abandoned():
-                    raise OSError(errno.ETIMEDOUT, f"rename {old} -> {new}: given up on")
-                os.rename(old, new, src_dir_fd=self.root_fd, dst_dir_fd=self.root_fd)
+                self._rename_in_call(call, old, new, before)
             return source, target
 
         return await self.io.run(rename_, what=f"rename {old} -> {new}", with_call=True)

@@ -516,7 +516,7 @@ class FileSystem:
                     [
                         (f, new_path + f.path[len(old_path) :])
                         for f in self.cache.all_files()
-                        if f.path == old_path or f.path.startswith(old_path + "/")
+                        if _at_or_under(f.path, old_path)
                     ]
                 )
                 await self.backing.rename(
@@ -543,15 +543,15 @@ class FileSystem:
             return {
                 (f.file_id, f.version): f
                 for f in self.cache.all_files()
-                if f.state is FileState.PENDING and (f.path == old or f.path.startswith(old + "/"))
+                if f.state is FileState.PENDING and _at_or_under(f.path, old)
             }
 
         # Locks first (each acquire may let a writer run), records after: a
         # writer that dropped a record meanwhile made its file MODIFIED, and
         # one that comes later waits for the lock, so no dropped record is
         # written back.
-        locked = sorted(moving())
-        for key in locked:  # others hold one record's lock at a time
+        locked = set(moving())
+        for key in sorted(locked):  # others hold one record's lock at a time
             await held.enter_async_context(self.cache.journal.locked(key))
         records = {}
         for key, f in moving().items():
@@ -575,7 +575,7 @@ class FileSystem:
     def _repath(self, old: str, new: str) -> list[CachedFile]:
         moved = []
         for f in self.cache.all_files():
-            if f.path == old or f.path.startswith(old + "/"):
+            if _at_or_under(f.path, old):
                 f.path = new + f.path[len(old) :]
                 moved.append(f)
         return moved
@@ -1342,6 +1342,10 @@ class FileSystem:
             "opens_waited_for_rename": self.opens_waited_for_rename,
             "opens_sent_back": self.opens_sent_back,
         }
+
+
+def _at_or_under(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith(prefix + "/")
 
 
 def _adopted(f: CachedFile, entry: Entry) -> bool:

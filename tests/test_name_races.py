@@ -337,23 +337,21 @@ def test_a_daemon_dying_inside_a_rename_keeps_the_pending_file(h: Harness) -> No
 
     save(h, "model.pt.tmp", first)  # pending: the flusher has not run
     fs.backing.rename_reading = dies_before_renaming
+
+    def recovered_at(name: str, data: bytes) -> None:
+        h.crash()
+        h.start()
+        assert set(h.manifests()) == {name}
+        assert h.manifests()[name].state == "pending"
+        assert name_reads(h, name) == data  # from the recovered RAM copy
+
     with pytest.raises(_Died):
         h.call(fs.rename, ROOT, "model.pt.tmp", ROOT, "model.pt", 0)
-    h.crash()
-    h.start()
+    recovered_at("model.pt.tmp", first)
     fs = h.core.fs
-    assert set(h.manifests()) == {"model.pt.tmp"}
-    assert h.manifests()["model.pt.tmp"].state == "pending"
-    assert name_reads(h, "model.pt.tmp") == first  # from the recovered RAM copy
-
     save(h, "model.pt.tmp", second)
     h.call(fs.rename, ROOT, "model.pt.tmp", ROOT, "model.pt", 0)
-    h.crash()
-    h.start()
-    fs = h.core.fs
-    assert set(h.manifests()) == {"model.pt"}
-    assert h.manifests()["model.pt"].state == "pending"
-    assert name_reads(h, "model.pt") == second
+    recovered_at("model.pt", second)
     h.direct(h.background_steps, 100)
     assert h.manifests()["model.pt"].state == "durable"
     assert name_reads(h, "model.pt") == second

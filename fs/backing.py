@@ -508,16 +508,20 @@ class Backing:
         noreplace: bool,
         rename: bool = True,
         before: Callable[[], None] | None = None,
-    ) -> tuple[Entry, Entry | None]:
+    ) -> tuple[Entry, Entry | None, Entry | None]:
         """What is at ``old`` and at ``new`` (None: nothing), then, with
         ``rename``, the rename, all in one backing-store call: the kernel holds
         the replaced file's inode lock for as long as a RENAME takes, and a
         reader's lseek(SEEK_END) of that file waits for it. ``before`` runs
         in the same call just before the rename; neither runs if the loop gave
         up on the call before (a timeout). FileNotFoundError if ``old`` is
-        gone; FileExistsError with ``noreplace`` if ``new`` is not."""
+        gone; FileExistsError with ``noreplace`` if ``new`` is not. The third
+        entry is the source as the rename left it (its new ctime): None if
+        not renamed here, or if its stat did not find the same file."""
 
-        def rename_(call: Call[tuple[Entry, Entry | None]]) -> tuple[Entry, Entry | None]:
+        def rename_(
+            call: Call[tuple[Entry, Entry | None, Entry | None]],
+        ) -> tuple[Entry, Entry | None, Entry | None]:
             source = _entry_at(self.root_fd, old)
             try:
                 target: Entry | None = _entry_at(self.root_fd, new)
@@ -525,9 +529,16 @@ class Backing:
                 target = None
             if target is not None and noreplace:
                 raise FileExistsError(errno.EEXIST, f"{new} exists")
-            if rename:
-                self._rename_in_call(call, old, new, before)
-            return source, target
+            if not rename:
+                return source, target, None
+            self._rename_in_call(call, old, new, before)
+            try:
+                st = os.stat(new, dir_fd=self.root_fd, follow_symlinks=False)
+            except OSError:
+                return source, target, None
+            if st.st_ino != source.st.st_ino or st.st_dev != source.st.st_dev:
+                return source, target, None  # replaced again since, from elsewhere
+            return source, target, Entry(source.kind, st, source.manifest, source.read_at)
 
         return await self.io.run(rename_, what=f"rename {old} -> {new}", with_call=True)
 

@@ -993,6 +993,28 @@ class Cache:
         self.readahead.observe(f, off, end)
         return await self.reader.read(f, off, end, view_ok=view_ok, into=into)
 
+    def read_now(
+        self, f: CachedFile, off: int, size: int, *, on_loop: bool
+    ) -> list[memoryview] | bytes | None:
+        """Bytes of ``f`` as views of the arena, if none needs a wait; None if
+        one does (``read`` then waits for it). Off the loop (the FUSE request
+        thread, the loop parked) only bytes in RAM pages count, and no
+        read-ahead starts: that takes the loop's nursery."""
+        if f.lost or (f.role is FileRole.REMOTE and f.state is FileState.PENDING):
+            return None
+        end = min(off + size, f.size)
+        if end <= off:
+            return b""
+        views = self.reader.read_now(f, off, end, frames_ok=on_loop)
+        if views is None:
+            return None
+        self._touch(f)
+        if on_loop:
+            self.readahead.observe(f, off, end)
+        else:
+            f.read_pattern.observe(off, end)  # the loop's next read-ahead continues this stream
+        return views
+
     async def read_held(
         self, file_id: str, version: str, off: int, size: int, *, into: bytearray | None = None
     ) -> bytes | memoryview | None:

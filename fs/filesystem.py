@@ -495,7 +495,7 @@ class FileSystem:
             new_path = self.inodes.child_path(p_new, new)
             records = await self._records_renamed(old_path, new_path, held)
             try:
-                source, target = await self.backing.rename_reading(
+                source, target, moved = await self.backing.rename_reading(
                     old_path,
                     new_path,
                     noreplace=bool(flags),
@@ -527,6 +527,12 @@ class FileSystem:
             inode = self.inodes.child(p_old, old) or self._bind(p_old, old, source)
             self.inodes.move(inode, p_new, new)
             inode.checked = None  # a rename moves the manifest's ctime
+            if moved is not None and inode.ident == moved.ident:
+                # The source's manifest, read in the very store call that
+                # renamed it (under the namespace lock), with the stat that
+                # followed the rename: a check of the moved file, so the first
+                # open after a torch.save + os.replace needs no store read.
+                self._checked(inode, moved)
             moved = self._repath(old_path, new_path)
         return [f for f in moved if (f.file_id, f.version) not in records]
 
@@ -1005,6 +1011,15 @@ class FileSystem:
             raise  # the caller's Ctrl-C (EINTR), not a failure of the store
         except OSError as exc:
             raise FsError(errno.EIO, f"{f.path}: {exc}") from None
+
+    def read_now(
+        self, fh: int, off: int, size: int, *, on_loop: bool
+    ) -> list[memoryview] | bytes | None:
+        """A read that needs no await (Cache.read_now), else None."""
+        handle = self.handles.get(fh)
+        if handle is None or handle.file is None or handle.plain_fd is not None:
+            return None
+        return self.cache.read_now(handle.file, off, size, on_loop=on_loop)
 
     async def write(self, fh: int, off: int, data: bytes) -> int:
         handle = self.handles[fh]

@@ -226,6 +226,7 @@ class Operations:
             },
             fast={
                 Op.OPEN: self.open_now,
+                Op.READ: self.read_now,
                 Op.RELEASE: self.release_now,
                 Op.FLUSH: self.flush_now,
                 Op.GETATTR: self.getattr_now,
@@ -235,6 +236,7 @@ class Operations:
             },
             off_loop={
                 Op.OPEN: self.open_now,
+                Op.READ: self.read_off_loop,
                 Op.GETATTR: self.getattr_now,
                 Op.FLUSH: self.flush_now,
                 Op.RELEASE: self.release_off_loop,
@@ -463,6 +465,16 @@ class Operations:
         # Nothing may await between this return and the session's reply: the
         # result can be a view of an arena slot (see RangeReader.read).
         return await self.fs.read(fh, off, size)
+
+    @fast
+    def read_now(self, req: Request) -> Reply | None:
+        fh, off, size, *_ = abi.READ_IN.unpack_from(req.body)
+        return self.fs.read_now(fh, off, size, on_loop=True)
+
+    @fast
+    def read_off_loop(self, req: Request) -> Reply | None:
+        fh, off, size, *_ = abi.READ_IN.unpack_from(req.body)
+        return self.fs.read_now(fh, off, size, on_loop=False)
 
     @handler
     async def write(self, req: Request) -> Reply:

@@ -189,6 +189,24 @@ class RangeReader:
             return memoryview(into)[:filled]
         return out[0] if len(out) == 1 else b"".join(out)
 
+    def read_now(
+        self, f: CachedFile, start: int, end: int, *, frames_ok: bool
+    ) -> list[memoryview] | None:
+        """Views of bytes [start, end) of ``f`` if no byte needs a wait (each in
+        a RAM page, a hole, or with ``frames_ok`` a ready frame); None if one
+        does. Valid until the next await, as ``read``'s views are."""
+        views: list[memoryview] = []
+        for src in resolve(f, start, end):
+            if isinstance(src, RamSource):
+                views.append(self.arena.slot_view(src.slot, src.start, src.count))
+            elif isinstance(src, ZeroSource):
+                views.append(memoryview(zeros(src.count)))
+            elif frames_ok and (frame := self.frames.ready(src.chunk)) is not None:
+                views += self.frames.views(frame, src.start, src.count)
+            else:
+                return None
+        return views
+
     async def _chunk(self, src: ChunkSource, what: str) -> list[memoryview | bytes]:
         """Verified bytes of a chunk source, as views of its frame (valid until
         the next await) or, with no room for a frame, as streamed bytes."""

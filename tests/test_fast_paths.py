@@ -9,6 +9,7 @@ the whole work.
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -163,3 +164,53 @@ def test_open_flags_leave_the_flush_to_whoever_may_write(h: Harness) -> None:
     )
     assert open_flags & abi.FOPEN_NOFLUSH and not h.core.fs.handles[fh_r].writable
     h.call(h.core.fs.release, fh_r)
+
+
+def _read_now(h: Harness, fh: int, off: int, size: int, on_loop: bool) -> bytes | None:
+    """``FileSystem.read_now`` as a reader runs it, its views copied before
+    the loop runs on (they are valid until its next await)."""
+
+    def read() -> bytes | None:
+        got = h.core.fs.read_now(fh, off, size, on_loop=on_loop)
+        return None if got is None else b"".join(got) if isinstance(got, list) else bytes(got)
+
+    return inline(h, read)
+
+
+def test_a_read_of_bytes_in_ram_is_answered_off_the_loop_as_on_it(h: Harness) -> None:
+    """A file saved here keeps its pages in RAM: every read of it needs no
+    await, and gives exactly what the async read gives, on the loop and off
+    it (the request thread), across pages and past the end."""
+    fs = h.core.fs
+    data = random.randbytes(3 * fs.cache.page_size + 1234)
+    ino, fh = opened(h, "r.pt", data)
+    size = len(data)
+    page = fs.cache.page_size
+    ranges = [(0, 4), (0, 65536), (page - 100, 200), (page - 10, 2 * page + 20),
+              (size - 22, 65536), (size - 1, 1), (size, 10), (size + 4096, 10)]  # fmt: skip
+    for off, n in ranges:
+        want = data[off : off + n]
+        assert h.call(fs.read, fh, off, n) == want, (off, n)
+        for on_loop in (True, False):
+            assert _read_now(h, fh, off, n, on_loop) == want, (off, n, on_loop)
+    close(h, fh)
+
+
+def test_a_read_that_needs_a_chunk_waits_for_it_off_the_loop(h: Harness) -> None:
+    """Evicted to its stored chunks, a file's read declines off the loop
+    (the loop reads the chunk, and starts the read-ahead); once a frame
+    holds the chunk, the loop answers without an await, the thread still
+    not (read-ahead needs the loop)."""
+    fs = h.core.fs
+    data = random.randbytes(2 * fs.cache.page_size + 77)
+    ino, fh = opened(h, "e.pt", data)
+    f = fs.inodes[ino].file
+    assert inline(h, fs.cache.evict, f) and not f.ram_count
+    assert _read_now(h, fh, 0, 4096, False) is None
+    assert _read_now(h, fh, 0, 4096, True) is None  # no frame yet
+    assert h.call(fs.read, fh, 0, 4096) == data[:4096]  # the chunk's frame is read
+    assert _read_now(h, fh, 100, 4096, True) == data[100:4196]
+    assert _read_now(h, fh, 100, 4096, False) is None
+    close(h, fh)
+    h.call(fs.unlink, ROOT, "e.pt")
+    assert _read_now(h, fh, 0, 10, True) is None  # a released handle: the loop's EBADF

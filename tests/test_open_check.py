@@ -13,6 +13,7 @@ it, then through real mounts sharing one backing directory.
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ import pytest
 from ckptfs.fs.inodes import ROOT
 from lifecycle_harness import Harness
 from test_fast_paths import inline, tables
-from test_getattr import CALLER, close, opened, rewrite_elsewhere
+from test_getattr import CALLER, close, opened, rewrite_elsewhere, save
 
 
 def test_a_due_check_is_made_off_the_loop_and_the_open_answered(
@@ -49,6 +50,31 @@ def test_a_due_check_is_made_off_the_loop_and_the_open_answered(
     # Nothing else is planned: writable opens, directories.
     assert inline(h, fs.open_check_wanted, ino, os.O_WRONLY) is None
     assert inline(h, fs.open_check_wanted, ROOT, os.O_RDONLY) is None
+
+
+def test_a_rename_done_here_is_the_moved_file_s_check(h: Harness, monkeypatch: Any) -> None:
+    """torch.save to a temporary name, then os.replace: the rename's own
+    store call read the source's manifest just before it renamed it, under
+    the namespace lock. That read is the moved file's check, so the first
+    open after the rename needs no store read; its ctime is the rename's,
+    and it runs out like any other check."""
+    fs = h.core.fs
+    monkeypatch.setattr(fs.config, "open_recheck", 10.0)
+    data = random.randbytes(70_000)
+    save(h, "m.pt.tmp", data)  # closed, pending: not flushed yet
+    renamed_after = time.time_ns()
+    h.call(fs.rename, ROOT, "m.pt.tmp", ROOT, "m.pt", 0)
+    inode = fs.inodes.child(ROOT, "m.pt")
+    assert inode is not None and inode.file is not None
+    assert inode.checked is not None and inode.checked.manifest is not None
+    assert inode.checked.manifest.version == inode.file.version
+    attr = inline(h, fs.getattr_now, inode.ino)
+    assert attr is not None and attr.size == len(data) and attr.ctime_ns >= renamed_after
+    got = inline(h, fs.open_now, inode.ino, os.O_RDONLY, CALLER)
+    assert got is not None  # no check due
+    close(h, got[0])
+    monkeypatch.setattr(fs.config, "open_recheck", 0.0)
+    assert inline(h, fs.open_now, inode.ino, os.O_RDONLY, CALLER) is None
 
 
 def test_a_checked_open_declines_whatever_changed(h: Harness, monkeypatch: Any) -> None:
@@ -295,4 +321,34 @@ def test_a_torch_checkpoint_loads_whole_with_every_open_checked(mounts: Any) -> 
         assert all(torch.equal(got[k], sd[k]) for k in sd)
         del got
     assert m.stat()["fuse"]["requests"]["checked"] >= 3
+    m.umount()
+
+
+def test_a_checkpoint_saved_and_replaced_here_loads_through_the_request_thread(
+    mounts: Any,
+) -> None:
+    """torch.save to a temporary name, os.replace, then torch.load(mmap=True)
+    through the same mount: every request of the load (the opens, and the
+    reads of bytes the save left in RAM) is answered by the request thread
+    or the loop inline, none by a worker; the open needs no store read of its
+    own (the rename's was its check); and every tensor comes back."""
+    torch = pytest.importorskip("torch")
+    m = mounts("s")
+    m.mount(env={"CKPTFS_FUSE_OPEN_RECHECK": "10"})
+    gen = torch.Generator().manual_seed(11)
+    sd = {f"w{i}": torch.randn(3000 + 7 * i, generator=gen) for i in range(6)}
+    torch.save(sd, m.mnt / "model.pt.tmp")
+    os.replace(m.mnt / "model.pt.tmp", m.mnt / "model.pt")
+    replaced_at = time.monotonic()
+    m.cli("flush", str(m.mnt), "--wait")  # the flusher is done: the loop is idle
+    before = m.stat()["fuse"]["requests"]
+    got = torch.load(m.mnt / "model.pt", mmap=True, weights_only=True)
+    assert got.keys() == sd.keys()
+    assert all(torch.equal(got[k], sd[k]) for k in sd)
+    del got
+    after = m.stat()["fuse"]["requests"]
+    assert after["handled"] == before["handled"], (before, after)
+    assert after["thread"] > before["thread"], (before, after)
+    if time.monotonic() - replaced_at < 0.9:  # (later, the kernel looks the name up again)
+        assert after["checked"] == before["checked"], (before, after)  # the rename's check
     m.umount()

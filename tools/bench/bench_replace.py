@@ -18,9 +18,11 @@ second open starts, by wrapping the two calls in the reader's process).
 Each run does the same in a plain directory (beside the backing directory,
 on the same filesystem) and through the mount, in alternating order. It
 prints, per target and run: loads, torn loads (also per replace), the race
-window (median, 90th percentile, and the median of the torn loads' windows),
-and the writer's save and rename latency; then the medians over the runs and
-the ratios. It asserts nothing.
+window (median, 90th percentile, the median of the torn loads' windows, and
+that of each reader's first untorn load of a new version, which finds
+nothing of the new file in the kernel's page cache), and the writer's save
+and rename latency; then the medians over the runs and the ratios. It
+asserts nothing.
 
 Why the mount's torn loads outnumber its windows: the kernel holds the
 replaced file's inode lock for as long as the FUSE RENAME takes (a backing-
@@ -110,6 +112,9 @@ class Race:
     replaces: int = 0
     windows: list[int] = field(default_factory=list)
     torn_windows: list[int] = field(default_factory=list)
+    # A reader's first untorn load of each version: right after its replace,
+    # nothing of the new file in the kernel's page cache yet.
+    first_windows: list[int] = field(default_factory=list)
     saves: list[int] = field(default_factory=list)
     renames: list[int] = field(default_factory=list)
 
@@ -156,12 +161,16 @@ def race(target: str, directory: Path, args: argparse.Namespace) -> Race:
                 p.kill()
                 p.wait()
     for i in range(args.readers):
+        last = None
         for window, pickled, tensors in json.loads((work / f"r{i}.json").read_text()):
             result.loads += 1
             result.windows.append(window)
             if pickled != tensors:
                 result.torn += 1
                 result.torn_windows.append(window)
+            elif pickled != last:
+                result.first_windows.append(window)
+            last = tensors
     for p in work.iterdir():
         p.unlink()
     work.rmdir()
@@ -186,6 +195,7 @@ def row(r: Race) -> dict[str, float]:
         "window µs": _us(r.windows),
         "window p90 µs": _us(r.windows, 0.9),
         "torn loads' window µs": _us(r.torn_windows),
+        "new version's window µs": _us(r.first_windows),
         "save µs": _us(r.saves),
         "rename µs": _us(r.renames),
         "rename p90 µs": _us(r.renames, 0.9),

@@ -536,7 +536,13 @@ class Backing:
                 st = os.stat(new, dir_fd=self.root_fd, follow_symlinks=False)
             except OSError:
                 return source, target, None
-            if st.st_ino != source.st.st_ino or st.st_dev != source.st.st_dev:
+            was = source.st
+            if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != (
+                was.st_dev,
+                was.st_ino,
+                was.st_size,
+                was.st_mtime_ns,
+            ):
                 return source, target, None  # replaced again since, from elsewhere
             return source, target, Entry(source.kind, st, source.manifest, source.read_at)
 

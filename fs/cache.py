@@ -1003,12 +1003,12 @@ class Cache:
         if f.lost or (f.role is FileRole.REMOTE and f.state is FileState.PENDING):
             return None
         end = min(off + size, f.size)
-        if end <= off:
-            return b""
-        views = self.reader.read_now(f, off, end, frames_ok=on_loop)
+        views = self.reader.read_now(f, off, end, frames_ok=on_loop) if end > off else []
         if views is None:
             return None
         self._touch(f)
+        if not views:
+            return b""
         if on_loop:
             self.readahead.observe(f, off, end)
         else:

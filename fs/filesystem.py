@@ -533,8 +533,8 @@ class FileSystem:
                 # followed the rename: a check of the moved file, so the first
                 # open after a torch.save + os.replace needs no store read.
                 self._checked(inode, moved)
-            moved = self._repath(old_path, new_path)
-        return [f for f in moved if (f.file_id, f.version) not in records]
+            repathed = self._repath(old_path, new_path)
+        return [f for f in repathed if (f.file_id, f.version) not in records]
 
     async def _records_renamed(
         self, old: str, new: str, held: contextlib.AsyncExitStack

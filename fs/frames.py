@@ -160,6 +160,11 @@ class FrameCache:
     def known(self, digest: str) -> bool:
         return digest in self.frames
 
+    def is_ready(self, chunk: Chunk) -> bool:
+        """Whether ``chunk`` has a ready frame now (without marking it used)."""
+        frame = self.frames.get(chunk.hash)
+        return frame is not None and frame.state is FrameState.READY
+
     def ready(self, chunk: Chunk) -> Frame | None:
         """The ready frame of ``chunk`` now, without waiting (marks it used)."""
         frame = self.frames.get(chunk.hash)

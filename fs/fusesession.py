@@ -109,6 +109,7 @@ Reply = Payload | Sequence[Payload]
 SlowHandler = Callable[["Request"], Awaitable[Reply | None]]
 FastHandler = Callable[["Request"], Reply | None]
 
+READ = int(Op.READ)
 NO_REPLY = frozenset(int(op) for op in (Op.FORGET, Op.BATCH_FORGET, Op.INTERRUPT, Op.NOTIFY_REPLY))
 # Bodies larger than this keep their read buffer until handled (a WRITE's
 # data); smaller ones are copied out so that reading goes on in the buffer.
@@ -156,12 +157,22 @@ class _LoopHoldsState(trio.abc.Instrument):
 
     def __init__(self, lock: threading.Lock) -> None:
         self.lock = lock
+        # Set while the loop waits for the lock: the thread then takes it no
+        # more (a lock is not fair, and a stream of READs from RAM would let
+        # the thread take it again and again before the loop's thread wakes).
+        self.loop_waits = False
 
     def before_io_wait(self, timeout: float) -> None:
         self.lock.release()
 
     def after_io_wait(self, timeout: float) -> None:
+        self.loop_waits = True
         self.lock.acquire()
+        self.loop_waits = False
+
+    def try_take(self) -> bool:
+        """For the request thread: the lock, unless the loop holds it or waits for it."""
+        return not self.loop_waits and self.lock.acquire(blocking=False)
 
 
 class FuseError(Exception):
@@ -453,8 +464,12 @@ class Session:
                 if read_here:
                     self._read_buf = self._hand_on(req, self._read_buf)
                 return req  # (the thread made the body of its own safe)
-            if self._thread_may_read():
-                self._give_to_thread()  # a small request: the caller's next one is too
+            if req.op != READ and self._thread_may_read():
+                # A small request: the caller's next one is too. Not after a
+                # READ: the thread declined it (its bytes were in a chunk's
+                # frame) or the loop was reading already, and the reads of a
+                # load come in a stream (the loop reads on until LOOP_IDLE).
+                self._give_to_thread()
             served += 1
             if served % YIELD_EVERY == 0:
                 await trio.lowlevel.checkpoint()  # the other tasks' turn
@@ -535,9 +550,9 @@ class Session:
         op = req.op
         if op in self._slow or op in self._fast:
             fast = self._off_loop.get(op)
-            if (fast is None and op not in self._off_loop_checked) or not self._state_lock.acquire(
-                blocking=False
-            ):
+            if (
+                fast is None and op not in self._off_loop_checked
+            ) or not self._holds_state.try_take():
                 return False  # no off-loop path, or the loop is running
             plan = None
             try:
@@ -577,7 +592,7 @@ class Session:
         Raises ReadingTaken if the read overran and the loop took the reading."""
         assert self._store_watch is not None
         result = self._store_watch.run(checked.read, plan, req)
-        if result is None or not self._state_lock.acquire(blocking=False):
+        if result is None or not self._holds_state.try_take():
             return False
         try:
             if not self._run_fast(

@@ -195,16 +195,20 @@ class RangeReader:
         """Views of bytes [start, end) of ``f`` if no byte needs a wait (each in
         a RAM page, a hole, or with ``frames_ok`` a ready frame); None if one
         does. Valid until the next await, as ``read``'s views are."""
+        sources = resolve(f, start, end)
+        for src in sources:  # first: a decline changes nothing (frames' use)
+            if isinstance(src, ChunkSource) and not (frames_ok and self.frames.is_ready(src.chunk)):
+                return None
         views: list[memoryview] = []
-        for src in resolve(f, start, end):
+        for src in sources:
             if isinstance(src, RamSource):
                 views.append(self.arena.slot_view(src.slot, src.start, src.count))
             elif isinstance(src, ZeroSource):
                 views.append(memoryview(zeros(src.count)))
-            elif frames_ok and (frame := self.frames.ready(src.chunk)) is not None:
-                views += self.frames.views(frame, src.start, src.count)
             else:
-                return None
+                frame = self.frames.ready(src.chunk)
+                assert frame is not None  # (nothing ran since the look above)
+                views += self.frames.views(frame, src.start, src.count)
         return views
 
     async def _chunk(self, src: ChunkSource, what: str) -> list[memoryview | bytes]:

@@ -92,6 +92,11 @@ class Tiny:
         self.store_delay = 0.0
         self.store_reads: list[str] = []  # the thread each read ran in
         self.checked_opens = 0
+        # READs get a fast path on the loop, and one in the request thread
+        # that always declines (as ckptfs's does for bytes in a chunk's
+        # frame); read-only opens are direct_io, so every pread is a READ.
+        self.fast_reads = False
+        self.reads_declined_off_loop = 0
 
     def _attr(self, ino: int) -> TinyAttr:
         if ino == abi.ROOT_ID or ino >= DIRS:
@@ -121,9 +126,16 @@ class Tiny:
                 Op.OPEN: self.open_now,
                 Op.RELEASE: self.release_now,
                 Op.GETATTR: self.getattr_now,
+                **({Op.READ: self.read_now} if self.fast_reads else {}),
             },
             off_loop=(
-                {Op.OPEN: self.open_now, Op.RELEASE: self.release_now} if self.off_loop else {}
+                {
+                    Op.OPEN: self.open_now,
+                    Op.RELEASE: self.release_now,
+                    **({Op.READ: self.read_declined} if self.fast_reads else {}),
+                }
+                if self.off_loop
+                else {}
             ),
             off_loop_checked=(
                 {Op.OPEN: CheckedPath(self.check_plan, self.check_read, self.check_finish)}
@@ -176,7 +188,15 @@ class Tiny:
         self.fast_calls.append((time.monotonic(), threading.current_thread().name))
         if flags & os.O_ACCMODE:  # a writer: its handle is 2, released by a worker
             return abi.open_out(2, abi.FOPEN_DIRECT_IO)
-        return abi.open_out(1, abi.FOPEN_NOFLUSH)
+        return abi.open_out(1, abi.FOPEN_NOFLUSH | (abi.FOPEN_DIRECT_IO * self.fast_reads))
+
+    def read_now(self, req: Request) -> bytes:
+        _, off, size, *_ = abi.READ_IN.unpack_from(req.body)
+        return bytes(self.files[req.nodeid][off : off + size])
+
+    def read_declined(self, req: Request) -> None:
+        self.reads_declined_off_loop += 1
+        return None
 
     def release_now(self, req: Request) -> bytes | None:
         (fh, *_) = abi.RELEASE_IN.unpack_from(req.body)
@@ -434,6 +454,53 @@ def test_the_request_thread_never_runs_a_fast_path_beside_a_task_step(tmp_path: 
 
 async def _call_sync(fn: Any) -> None:
     fn()
+
+
+def test_a_stream_of_reads_the_thread_declines_stays_with_the_loop(tmp_path: Path) -> None:
+    """READs the request thread declines (in ckptfs, bytes in a chunk's
+    frame) and the loop answers inline: the loop reads on, until LOOP_IDLE
+    without a request, rather than give the reading back after each READ
+    and take it again with the next (a hand-over per READ)."""
+    data = os.urandom(64 * 4096)
+    tiny = Tiny(data)
+    tiny.off_loop = tiny.fast_reads = True
+    with served(tmp_path, tiny) as (mnt, session, _):
+        fast = session.counters.fast
+        fd = os.open(mnt / "f", os.O_RDONLY)
+        try:
+            got = b"".join(os.pread(fd, 4096, i * 4096) for i in range(64))
+        finally:
+            os.close(fd)
+        assert got == data
+        assert session.counters.fast - fast >= 64  # each READ answered inline by the loop
+        # The first READ, and one after each pause of the caller past LOOP_IDLE.
+        assert tiny.reads_declined_off_loop <= 8, tiny.reads_declined_off_loop
+
+
+def test_the_thread_takes_the_state_no_more_once_the_loop_waits_for_it() -> None:
+    """Lock hand-offs are not fair: a thread answering a stream of requests
+    could take the state lock again each time before the loop's thread,
+    woken by the release, runs. Once the loop waits for the lock, the
+    thread's try fails until the loop has had it."""
+    from ckptfs.fs.fusesession import _LoopHoldsState
+
+    lock = threading.Lock()
+    holds = _LoopHoldsState(lock)
+    assert holds.try_take()  # the thread answers something, the loop in its I/O wait
+    loop = threading.Thread(target=holds.after_io_wait, args=(0.0,))
+    loop.start()
+    deadline = time.monotonic() + TIMEOUT
+    while not holds.loop_waits and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert holds.loop_waits
+    lock.release()  # the thread's answer is written
+    tries = [holds.try_take() for _ in range(20_000)]  # while the loop's thread wakes
+    assert not any(tries)
+    loop.join(TIMEOUT)
+    assert not loop.is_alive() and lock.locked() and not holds.loop_waits
+    holds.before_io_wait(0.0)  # the loop waits for I/O again
+    assert holds.try_take()
+    lock.release()
 
 
 def test_a_burst_of_writes_is_read_by_the_loop_then_the_thread_reads_again(

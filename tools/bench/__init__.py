@@ -21,7 +21,8 @@ Each mounts what it measures itself and always unmounts it; run one with
   ``python -m ckptfs.tools.bench.bench_meta [--ops 300] [--rounds 5]``
 - ``bench_replace``: a writer replacing a checkpoint (``torch.save`` to a
   temporary name, ``os.replace``) while readers ``torch.load(mmap=True)`` it:
-  torn loads, the race window inside torch.load, the writer's rename.
+  torn loads, the race window inside torch.load (also of each new version's
+  first load), the writer's rename.
   ``python -m ckptfs.tools.bench.bench_replace [--readers 2] [--gap 0] [--runs 3]``
 - ``bench_flush``: the flusher's drain rate against the disk's own write +
   fsync, its CPU per GiB, and a training loop's slowdown while it runs, per

@@ -167,8 +167,10 @@ class _LoopHoldsState(trio.abc.Instrument):
 
     def after_io_wait(self, timeout: float) -> None:
         self.loop_waits = True
-        self.lock.acquire()
-        self.loop_waits = False
+        try:
+            self.lock.acquire()
+        finally:
+            self.loop_waits = False
 
     def try_take(self) -> bool:
         """For the request thread: the lock, unless the loop holds it or waits for it."""

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import trio
 from ckptfs.fs.filesystem import Caller, SetAttr
 from ckptfs.fs.inodes import ROOT
 from ckptfs.fs.state import FileState
@@ -227,6 +228,26 @@ class LifecycleModel(RuleBasedStateMachine):
             return
         got = self.h.call(self.fs.read, h.fh, off, size)
         assert got == bytes(h.ref.data[off : off + size]), (off, size)
+
+    @precondition(lambda self: bool(self.handles))
+    @rule(data=st.data(), off=OFFSETS, size=SIZES, on_loop=st.booleans())
+    def read_now(self, data: st.DataObject, off: int, size: int, on_loop: bool) -> None:
+        """A READ's fast path (the loop inline, or the request thread with the
+        loop parked) at whatever point the background work stands: it
+        declines, or gives exactly the bytes the file has."""
+        STEPS["count"] += 1
+        h = data.draw(st.sampled_from(self.handles))
+        if h.ref.lost:
+            return  # (the async read's EIO)
+        fs = self.fs
+
+        def read() -> bytes | None:  # copied before the loop runs on
+            got = fs.read_now(h.fh, off, size, on_loop=on_loop)
+            return None if got is None else b"".join(got) if isinstance(got, list) else bytes(got)
+
+        got = trio.from_thread.run_sync(read, trio_token=self.h._token)
+        if got is not None:
+            assert got == bytes(h.ref.data[off : off + size]), (off, size, on_loop)
 
     @precondition(lambda self: any(h.writable for h in self.handles))
     @rule(data=st.data(), sched=SCHED)

@@ -536,13 +536,7 @@ class Backing:
                 st = os.stat(new, dir_fd=self.root_fd, follow_symlinks=False)
             except OSError:
                 return source, target, None
-            was = source.st
-            if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != (
-                was.st_dev,
-                was.st_ino,
-                was.st_size,
-                was.st_mtime_ns,
-            ):
+            if not PlainFile.of(source.st).matches(st):
                 return source, target, None  # replaced again since, from elsewhere
             return source, target, Entry(source.kind, st, source.manifest, source.read_at)
 

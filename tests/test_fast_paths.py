@@ -166,7 +166,7 @@ def test_open_flags_leave_the_flush_to_whoever_may_write(h: Harness) -> None:
     h.call(h.core.fs.release, fh_r)
 
 
-def _read_now(h: Harness, fh: int, off: int, size: int, on_loop: bool) -> bytes | None:
+def read_now_copied(h: Harness, fh: int, off: int, size: int, on_loop: bool) -> bytes | None:
     """``FileSystem.read_now`` as a reader runs it, its views copied before
     the loop runs on (they are valid until its next await)."""
 
@@ -192,7 +192,7 @@ def test_a_read_of_bytes_in_ram_is_answered_off_the_loop_as_on_it(h: Harness) ->
         want = data[off : off + n]
         assert h.call(fs.read, fh, off, n) == want, (off, n)
         for on_loop in (True, False):
-            assert _read_now(h, fh, off, n, on_loop) == want, (off, n, on_loop)
+            assert read_now_copied(h, fh, off, n, on_loop) == want, (off, n, on_loop)
     close(h, fh)
 
 
@@ -206,11 +206,11 @@ def test_a_read_that_needs_a_chunk_waits_for_it_off_the_loop(h: Harness) -> None
     ino, fh = opened(h, "e.pt", data)
     f = fs.inodes[ino].file
     assert inline(h, fs.cache.evict, f) and not f.ram_count
-    assert _read_now(h, fh, 0, 4096, False) is None
-    assert _read_now(h, fh, 0, 4096, True) is None  # no frame yet
+    assert read_now_copied(h, fh, 0, 4096, False) is None
+    assert read_now_copied(h, fh, 0, 4096, True) is None  # no frame yet
     assert h.call(fs.read, fh, 0, 4096) == data[:4096]  # the chunk's frame is read
-    assert _read_now(h, fh, 100, 4096, True) == data[100:4196]
-    assert _read_now(h, fh, 100, 4096, False) is None
+    assert read_now_copied(h, fh, 100, 4096, True) == data[100:4196]
+    assert read_now_copied(h, fh, 100, 4096, False) is None
     close(h, fh)
     h.call(fs.unlink, ROOT, "e.pt")
-    assert _read_now(h, fh, 0, 10, True) is None  # a released handle: the loop's EBADF
+    assert read_now_copied(h, fh, 0, 10, True) is None  # a released handle: the loop's EBADF

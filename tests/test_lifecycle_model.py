@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import trio
 from ckptfs.fs.filesystem import Caller, SetAttr
 from ckptfs.fs.inodes import ROOT
 from ckptfs.fs.state import FileState
@@ -45,6 +44,7 @@ from hypothesis.stateful import (
     rule,
 )
 from lifecycle_harness import Harness, audit, errno_of
+from test_fast_paths import read_now_copied
 
 PS = 4096
 ROOT_CALLER = Caller(0, 0)
@@ -239,13 +239,7 @@ class LifecycleModel(RuleBasedStateMachine):
         h = data.draw(st.sampled_from(self.handles))
         if h.ref.lost:
             return  # (the async read's EIO)
-        fs = self.fs
-
-        def read() -> bytes | None:  # copied before the loop runs on
-            got = fs.read_now(h.fh, off, size, on_loop=on_loop)
-            return None if got is None else b"".join(got) if isinstance(got, list) else bytes(got)
-
-        got = trio.from_thread.run_sync(read, trio_token=self.h._token)
+        got = read_now_copied(self.h, h.fh, off, size, on_loop)
         if got is not None:
             assert got == bytes(h.ref.data[off : off + size]), (off, size, on_loop)
 

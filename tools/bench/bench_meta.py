@@ -71,6 +71,7 @@ from ckptfs.fs.operations import ATTR_TIMEOUT
 from .benchlib import (
     BenchError,
     Layout,
+    add_shm_workdir_options,
     ckptfs,
     machine,
     markdown_lines,
@@ -571,14 +572,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ops", type=int, default=300, help="files per operation per round")
     p.add_argument("--rounds", type=int, default=5, help="measured rounds (default 5)")
     p.add_argument("--windows", type=int, help="reopen windows per round (default: --ops / 2)")
-    p.add_argument(
-        "--workdir",
-        type=Path,
-        help="directory for the backing dir and the plain dir (default: a new one in /dev/shm, "
-        "removed afterwards)",
-    )
-    p.add_argument("--config", help="ckptfs YAML config for the mount")
-    p.add_argument("--cache-size", default=CACHE_SIZE, help=f"(default {CACHE_SIZE})")
+    add_shm_workdir_options(p, CACHE_SIZE)
     p.add_argument("--no-torch", action="store_true", help="do not time torch.load")
     p.add_argument(
         "--spaced", type=int, default=6, help="spaced torch.loads per round (default 6; 0: none)"
@@ -592,7 +586,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--timeout", type=float, default=1800.0, help="abort the run after seconds (default 1800)"
     )
-    p.add_argument("--keep", action="store_true", help="keep --workdir's files afterwards")
     args = p.parse_args(argv)
     if args.ops < 10 or args.rounds < 1:
         p.error("--ops must be >= 10 and --rounds >= 1")

@@ -46,7 +46,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .benchlib import BenchError, Layout, mount, run_in_shm_workdir, stat_json
+from .benchlib import (
+    BenchError,
+    Layout,
+    add_shm_workdir_options,
+    mount,
+    run_in_shm_workdir,
+    stat_json,
+)
 
 FIRST = 1000  # versions 1000..9999 pickle to the same number of bytes
 CACHE_SIZE = "512MiB"
@@ -248,15 +255,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--period", type=float, default=0.06, help="seconds per replace (default 0.06)")
     p.add_argument("--gap", type=float, default=0.0, help="seconds between a reader's loads")
     p.add_argument("--runs", type=int, default=3, help="runs, each in both targets (default 3)")
-    p.add_argument(
-        "--workdir",
-        type=Path,
-        help="directory for the backing dir and the plain dir (default: a new one in "
-        "/dev/shm, removed afterwards)",
-    )
-    p.add_argument("--config", help="ckptfs YAML config for the mount")
-    p.add_argument("--cache-size", default=CACHE_SIZE, help=f"(default {CACHE_SIZE})")
-    p.add_argument("--keep", action="store_true", help="keep --workdir's files afterwards")
+    add_shm_workdir_options(p, CACHE_SIZE)
     args = p.parse_args(argv)
     if args.readers < 1 or args.runs < 1 or args.seconds <= 0 or args.period <= 0 or args.gap < 0:
         p.error("--readers and --runs must be >= 1, --seconds and --period > 0, --gap >= 0")

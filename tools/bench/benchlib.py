@@ -471,6 +471,20 @@ def run_mounted(
             cleanup(layout, args.keep)
 
 
+def add_shm_workdir_options(p: argparse.ArgumentParser, cache_size: str) -> None:
+    """The options :func:`run_in_shm_workdir` reads (--workdir, --keep) and
+    the mount's (--config, --cache-size)."""
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        help="directory for the backing dir and the plain dir (default: a new one in /dev/shm, "
+        "removed afterwards)",
+    )
+    p.add_argument("--config", help="ckptfs YAML config for the mount")
+    p.add_argument("--cache-size", default=cache_size, help=f"(default {cache_size})")
+    p.add_argument("--keep", action="store_true", help="keep --workdir's files afterwards")
+
+
 def run_in_shm_workdir(
     prog: str, args: argparse.Namespace, benchmark: Callable[[argparse.Namespace, Layout], None]
 ) -> int:

@@ -40,6 +40,17 @@ def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.05) 
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def lines_of_a_killed_peer(name: str) -> list[str]:
+    """The warnings a node logs when peer `name` is SIGKILLed: its outbound
+    connection lost, the peer reported, and (when the killed process had unread
+    bytes, so its kernel answered with a reset) its inbound connection dropped."""
+    return [
+        f"lost connection to peer '{name}'",
+        f"peer '{name}' at 127.0.0.1",
+        f"dropped connection from peer '{name}'",
+    ]
+
+
 class Mount:
     def __init__(self, root: Path, name: str = "m") -> None:
         self.root = root

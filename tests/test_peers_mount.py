@@ -9,7 +9,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from conftest import Mount, wait_for
+from conftest import Mount, lines_of_a_killed_peer, wait_for
 
 MiB = 1 << 20
 
@@ -62,7 +62,7 @@ def test_two_nodes_see_each_other_and_notice_a_death(mounts, tmp_path):
 
     n2.kill()
     # A node's death is for the operator to see.
-    n1.allowed_log += ["lost connection to peer 'n2'", "peer 'n2' at 127.0.0.1"]
+    n1.allowed_log += lines_of_a_killed_peer("n2")
     wait_for(lambda: not peers_of(n1)["n2"]["alive"], 20, "n2 declared dead")
     assert peers_of(n1)["n2"]["state"] == "dead"
     assert "peer 'n2' at 127.0.0.1" in n1.log() and "is dead" in n1.log()
@@ -145,9 +145,7 @@ def test_a_file_pending_on_another_node_is_read_from_it(mounts, tmp_path):
     assert err.value.errno == errno.EBUSY
 
     n1.kill()
-    n2.allowed_log += [
-        "lost connection to peer 'n1'",
-        "peer 'n1' at 127.0.0.1",
+    n2.allowed_log += lines_of_a_killed_peer("n1") + [
         "is lost here",
         "read of ckpt.pt failed",
     ]

@@ -177,7 +177,11 @@ def allow_teardown(cluster: list[Mount]) -> None:
     came earlier (unless the test allowed them itself)."""
     for m in cluster:
         assert not m.unexpected_log_lines(), m.unexpected_log_lines()
-        m.allowed_log += ["lost connection to peer", "is dead: no answer"]
+        m.allowed_log += [
+            "lost connection to peer",
+            "dropped connection from peer",
+            "is dead: no answer",
+        ]
 
 
 def rep_counters(cluster: list[Mount]) -> list[dict[str, int]]:

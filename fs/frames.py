@@ -270,8 +270,14 @@ class FrameCache:
         # Whole slots: an O_DIRECT read rounds the chunk's end up to a block,
         # into the rest of its last slot (slots start page-aligned in the mapping).
         views = [self.arena.slot_view(slot) for slot in frame.slots]
-        if self.remote is not None and await self.remote(chunk, views, what):
-            return  # verified there, in these slots; not a read from the store
+        if self.remote is not None:
+            try:
+                if await self.remote(chunk, views, what):
+                    return  # verified there, in these slots; not a read from the store
+            except BaseException:  # interrupted (its caller's signal) or cancelled
+                for view in views:
+                    view.release()
+                raise
         direct = self.slot_size % DIRECT_ALIGN == 0
         for slot in frame.slots:
             self.arena.pin(slot)

@@ -27,7 +27,10 @@ last piece arrived; the chunk's name is its xxh3-128, so wrong bytes are a
 mismatch. Any failure (refused, connection lost, no answer within
 ``peers.timeout``, a mismatch) is one INFO line, and the node reads the chunk
 from the backing store itself, as a single node would; the frame stays
-LOADING throughout, so nobody reads the slots before they are verified.
+LOADING throughout, so nobody reads the slots before they are verified. The
+caller's stop signal (fs/interrupts.py) ends a fetch for its own READ at once,
+as it ends a read from the store: the READ gets EINTR, and whoever waited for
+the same frame reads it again.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import trio
 import xxhash
 from ckptfs.fs.chunkstore import pieces_hash
 from ckptfs.fs.frames import FrameCache
+from ckptfs.fs.interrupts import Interrupted, interruptible
 from ckptfs.fs.manifest import Chunk
 
 from .dialer import Dialer
@@ -207,12 +211,19 @@ class RepresentativeFetch:
             self.fallbacks += 1
             return False
         try:
-            await self._fetch(client, rep, chunk, views)
+            # The caller's Ctrl-C ends the wait (a hung representative would
+            # hold it for up to peers.timeout): the pieces in flight are
+            # cancelled, and the transport gives their slots back only once
+            # nothing receives into them any more.
+            with interruptible(f"read chunk of {what} from {rep}"):
+                await self._fetch(client, rep, chunk, views)
             got = await trio.to_thread.run_sync(
                 pieces_hash, _first_bytes(views, chunk.length), limiter=self.hash_limiter
             )
             if got != chunk.hash:
                 raise RepresentativeError(f"the bytes from {rep} do not match the hash")
+        except Interrupted:
+            raise  # no fault of the representative's, and no read of the store either
         except (PeerError, OSError) as exc:
             self.fallbacks += 1
             unreachable = not isinstance(exc, RepresentativeError | RemoteError)

@@ -11,6 +11,9 @@ store by all four daemons together are counted in one place.
 from __future__ import annotations
 
 import hashlib
+import os
+import random
+import signal
 import subprocess
 import sys
 import time
@@ -21,6 +24,7 @@ from typing import Any
 import pytest
 from conftest import Mount, lines_of_a_killed_peer, wait_for
 from countingfs import CountingMount, counting_mount
+from test_interrupts import go, interrupt, next_line, requests, stop
 from test_peers_mount import free_port, peers_of
 
 MiB = 1 << 20
@@ -71,11 +75,17 @@ def counted(tmp_path: Path) -> Iterator[CountingMount]:
     assert "Traceback" not in log and " failed" not in log, log
 
 
-def start_cluster(mounts: Any, tmp_path: Path, cache_size: str) -> list[Mount]:
+def start_cluster(
+    mounts: Any,
+    tmp_path: Path,
+    cache_size: str,
+    names: tuple[str, ...] = NODES,
+    timeout: float = 5,
+) -> list[Mount]:
     secret = tmp_path / "secret"
     secret.write_text("correct horse battery staple 0123456789\n")
     secret.chmod(0o600)
-    ports = {name: free_port() for name in NODES}
+    ports = {name: free_port() for name in names}
     nodes = ", ".join(f"{name}: 127.0.0.1:{port}" for name, port in ports.items())
     config = tmp_path / "cluster.yaml"
     # timeout 5 (the default): two cores carry four daemons, the counting
@@ -83,10 +93,11 @@ def start_cluster(mounts: Any, tmp_path: Path, cache_size: str) -> list[Mount]:
     # store read included) may take a while; a killed node's connections
     # fail at once anyway.
     config.write_text(
-        f"peers:\n  secret_file: {secret}\n  nodes: {{{nodes}}}\n  timeout: 5\n  heartbeat: 0.5\n"
+        f"peers:\n  secret_file: {secret}\n  nodes: {{{nodes}}}\n  timeout: {timeout}\n"
+        "  heartbeat: 0.5\n"
     )
-    cluster = [mounts(name) for name in NODES]
-    for name, m in zip(NODES, cluster, strict=True):
+    cluster = [mounts(name) for name in names]
+    for name, m in zip(names, cluster, strict=True):
         # The checkpoint is written once, on n1; the restore is what is
         # measured (it is larger than a buddy's mirror space anyway).
         m.mount("--config", str(config), "--node", name, "--durability", "local",
@@ -308,3 +319,68 @@ def test_the_stand_in_stores_read_link_is_shared_at_its_rate():
     assert len(finished) == 2
     assert max(finished) == pytest.approx(10 * block / rate - burst_s, abs=1e-6)
     assert lone == pytest.approx(20 * block / rate + 0.001, abs=0.0021)
+
+
+# An O_DIRECT reader of 1 MiB blocks from the end of the file to its start:
+# not a sequential stream, so each READ fills its chunk's frame itself (a
+# sequential one's chunks are filled ahead by the read-ahead's tasks, and a
+# READ waiting for such a frame was interruptible already).
+BACKWARDS = r"""
+import mmap, os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECT)
+print("opened", flush=True)
+sys.stdin.readline()
+buf, outcome = mmap.mmap(-1, 1 << 20), "read interrupted"
+try:
+    for off in reversed(range(0, os.fstat(fd).st_size, 1 << 20)):
+        os.preadv(fd, [buf], off)
+    outcome = "read all"
+except KeyboardInterrupt:
+    pass
+print(outcome, flush=True)
+"""
+
+
+def test_ctrl_c_ends_a_read_waiting_for_a_hung_representative(mounts, tmp_path):
+    """n1's reader needs a chunk whose representative is n2, and n2 hangs
+    (SIGSTOP; peers.timeout 60 s, so nobody calls it dead): Ctrl-C ends the
+    reader's READ at once (EINTR), as it ends a read from a hung store
+    (test_interrupts), not after the timeout. Once n2 answers again, the
+    file reads whole, its chunks fetched from n2. 64 MiB, about 16 chunks:
+    that none of them is n2's is a chance of 1 in 65536. Without the
+    interruptible fetch, the reader waits the full 60 s."""
+    n1, n2 = start_cluster(mounts, tmp_path, cache_size="256MiB", names=("n1", "n2"), timeout=60)
+    data = random.randbytes(64 * MiB)
+    (n1.mnt / "ckpt.pt").write_bytes(data)
+    n1.wait_durable(timeout=120)
+    # A first read dials n2 (a dial has a timeout of its own, 5 s): the READ
+    # below then waits in a request to n2, for up to peers.timeout.
+    make_cold([n1, n2])
+    assert (n1.mnt / "ckpt.pt").read_bytes() == data
+    assert n1.stat()["representative"]["chunks_fetched"] > 0
+    make_cold([n1, n2])
+    assert n2.pid is not None
+    reader = subprocess.Popen(
+        [sys.executable, "-c", BACKWARDS, str(n1.mnt / "ckpt.pt")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    os.kill(n2.pid, signal.SIGSTOP)
+    try:
+        assert next_line(reader) == "opened"
+        go(reader)
+        time.sleep(2)  # n1's own chunks take well under this from the store
+        assert reader.poll() is None  # waiting for n2
+        took = interrupt(reader, "read interrupted")
+        assert took < 5, took
+        assert requests(n1)["interrupts"] >= 1
+    finally:
+        os.kill(n2.pid, signal.SIGCONT)
+        stop(reader)
+    # The interrupted fetch's frame is fetched again by the next reader.
+    fetched = n1.stat()["representative"]["chunks_fetched"]
+    assert (n1.mnt / "ckpt.pt").read_bytes() == data
+    reps = n1.stat()["representative"]
+    assert reps["chunks_fetched"] > fetched and reps["fallbacks"] == 0, reps  # n2 not given up on
+    allow_teardown([n1, n2])

@@ -53,8 +53,9 @@ log = logging.getLogger("ckptfs.frames")
 
 # Fills a frame's slots (whole, in order) with a chunk's verified bytes from
 # elsewhere (another node's RAM, peer/represent.py): True if it did, False if
-# the frame must be read from the store as usual. It returns only once nothing
-# writes into the slots any more; on False their contents are unspecified.
+# the frame must be read from the store as usual. It returns, or raises (an
+# Interrupted: its caller's stop signal), only once nothing writes into the
+# slots any more; on False or a raise their contents are unspecified.
 RemoteFill = Callable[[Chunk, list[memoryview], str], Awaitable[bool]]
 
 

@@ -197,8 +197,9 @@ class RepresentativeFetch:
         verified bytes from its representative: True if done; False if this
         node must read the store itself (it is the representative, serves a
         peer, or the representative failed: then logged and counted).
+        Raises Interrupted if its caller's stop signal ended the wait.
 
-        Returns only once nothing writes into ``views`` any more."""
+        Returns or raises only once nothing writes into ``views`` any more."""
         if _serving_peer.get():
             return False
         rep = self.choose(chunk.hash)
@@ -214,7 +215,8 @@ class RepresentativeFetch:
             # The caller's Ctrl-C ends the wait (a hung representative would
             # hold it for up to peers.timeout): the pieces in flight are
             # cancelled, and the transport gives their slots back only once
-            # nothing receives into them any more.
+            # nothing receives into them any more (a piece being received
+            # then ends within the transport's payload deadline).
             with interruptible(f"read chunk of {what} from {rep}"):
                 await self._fetch(client, rep, chunk, views)
             got = await trio.to_thread.run_sync(

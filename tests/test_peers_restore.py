@@ -22,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ckptfs.fs.chunkstore import chunk_hash
+from ckptfs.fs.config import Config
+from ckptfs.peer.represent import representative
 from conftest import Mount, lines_of_a_killed_peer, wait_for
 from countingfs import CountingMount, counting_mount
 from test_interrupts import go, interrupt, next_line, requests, stop
@@ -29,6 +32,7 @@ from test_peers_mount import free_port, peers_of
 
 MiB = 1 << 20
 NODES = ("n1", "n2", "n3", "n4")
+DEFAULT_CHUNK = Config().chunk_size
 # Each reader process: waits for "go" on stdin so that all start together;
 # torch.load of the checkpoint, a digest of every tensor (in key order), then a
 # sha256 of the whole file read in order. With "pause" it stops after half of
@@ -341,20 +345,29 @@ print(outcome, flush=True)
 """
 
 
+def last_chunk_represented_by(node: str, nodes: list[str], size: int) -> bytes:
+    """Random bytes (chunked at fixed steps of the default chunk_size: they
+    are no zip) whose last chunk has ``node`` as its representative."""
+    while True:
+        data = random.randbytes(size)
+        if representative(chunk_hash(data[-DEFAULT_CHUNK:]), nodes) == node:
+            return data
+
+
 def test_ctrl_c_ends_a_read_waiting_for_a_hung_representative(mounts, tmp_path):
     """n1's reader needs a chunk whose representative is n2, and n2 hangs
     (SIGSTOP; peers.timeout 60 s, so nobody calls it dead): Ctrl-C ends the
-    reader's READ at once (EINTR), as it ends a read from a hung store
+    reader's READ (EINTR), as it ends a read from a hung store
     (test_interrupts), not after the timeout. Once n2 answers again, the
-    file reads whole, its chunks fetched from n2. 64 MiB, about 16 chunks:
-    that none of them is n2's is a chance of 1 in 65536. Without the
+    file reads whole, its chunks fetched from n2. The reader goes backwards,
+    so its first READ is of the last chunk, which is n2's. Without the
     interruptible fetch, the reader waits the full 60 s."""
     n1, n2 = start_cluster(mounts, tmp_path, cache_size="256MiB", names=("n1", "n2"), timeout=60)
-    data = random.randbytes(64 * MiB)
+    data = last_chunk_represented_by("n2", ["n1", "n2"], 64 * MiB)
     (n1.mnt / "ckpt.pt").write_bytes(data)
     n1.wait_durable(timeout=120)
-    # A first read dials n2 (a dial has a timeout of its own, 5 s): the READ
-    # below then waits in a request to n2, for up to peers.timeout.
+    # A first read dials n2: the READ below then waits in a request over
+    # that connection (not in a dial, whose handshake times out in 5 s).
     make_cold([n1, n2])
     assert (n1.mnt / "ckpt.pt").read_bytes() == data
     assert n1.stat()["representative"]["chunks_fetched"] > 0
@@ -370,7 +383,7 @@ def test_ctrl_c_ends_a_read_waiting_for_a_hung_representative(mounts, tmp_path):
     try:
         assert next_line(reader) == "opened"
         go(reader)
-        time.sleep(2)  # n1's own chunks take well under this from the store
+        time.sleep(1)  # its first READ reaches the daemon and asks n2
         assert reader.poll() is None  # waiting for n2
         took = interrupt(reader, "read interrupted")
         assert took < 5, took

@@ -1050,6 +1050,8 @@ class Cache:
             return await self.remote.read(
                 list(f.holders), f.file_id, version, f.size, off, end, sequential=sequential
             )
+        except Interrupted:
+            raise  # the caller's stop signal, not a holder's failure
         except OSError as exc:
             if f.state is FileState.PENDING and f.role is FileRole.REMOTE and f.version == version:
                 f.state = FileState.LOST

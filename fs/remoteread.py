@@ -15,15 +15,24 @@ that needs it gets the error.
 A read returns a view of a block; callers hand it on before their next await
 (the FUSE reply), and a buffer goes back to the pool only when its block is
 dropped, never while a fetch fills it.
+
+The caller's stop signal (fs/interrupts.py) ends a read's wait for a block,
+whether it fetches the block itself or waits for another task's fetch: a
+hung holder would hold it for up to ``peers.timeout``. A fetch so ended
+leaves its block ABANDONED (the transport returns only once nothing receives
+into the buffer any more), and whoever waited for it fetches it again.
 """
 
 from __future__ import annotations
 
+import enum
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
+
+from .interrupts import interruptible
 
 # (holders, file_id, version, offset, length, buffer) -> verified bytes, received
 # into the buffer; OSError if none serves.
@@ -35,9 +44,17 @@ AHEAD = 4  # blocks in flight ahead of a sequential reader
 MAX_BYTES = 64 << 20
 
 
+class BlockState(enum.Enum):
+    FETCHING = "fetching"  # a fetch fills it (or is about to)
+    READY = "ready"  # data holds the verified bytes
+    FAILED = "failed"  # error says why; forgotten, so the next reader fetches again
+    ABANDONED = "abandoned"  # its fetch was cancelled; forgotten, its waiters fetch it
+
+
 @dataclass(eq=False)
 class Block:
-    done: trio.Event = field(default_factory=trio.Event)
+    done: trio.Event = field(default_factory=trio.Event)  # set when no longer FETCHING
+    state: BlockState = BlockState.FETCHING
     data: bytes | memoryview = b""
     error: OSError | None = None
     buffer: bytearray | None = None
@@ -72,15 +89,21 @@ class RemoteReader:
             for i in range(last + 1, top + 1):
                 self._start(holders, file_id, version, size, i, ahead=True)
         parts = []
+        what = f"read of file {file_id} from the nodes holding it"
         for i in range(first, last + 1):
-            block = self._blocks.get((file_id, version, i))
-            if block is None:
-                block = self._start(holders, file_id, version, size, i, ahead=False)
-                await self._fill(block, holders, file_id, version, size, i)
-            else:
-                self._blocks.move_to_end((file_id, version, i))
-                await block.done.wait()
-            if block.error is not None:
+            while True:
+                block = self._blocks.get((file_id, version, i))
+                with interruptible(what):
+                    if block is None:
+                        block = self._start(holders, file_id, version, size, i, ahead=False)
+                        await self._fill(block, holders, file_id, version, size, i)
+                    else:
+                        self._blocks.move_to_end((file_id, version, i))
+                        await block.done.wait()
+                if block.state is not BlockState.ABANDONED:
+                    break
+            if block.state is BlockState.FAILED:
+                assert block.error is not None
                 raise block.error
             lo = max(off, i * BLOCK) - i * BLOCK
             hi = min(end, (i + 1) * BLOCK) - i * BLOCK
@@ -114,14 +137,27 @@ class RemoteReader:
             )
         except OSError as exc:
             block.error = exc
-            self._blocks.pop((file_id, version, i), None)  # the next reader tries again
+            block.state = BlockState.FAILED
+            self._forget_block(file_id, version, i, block)  # the next reader tries again
+        except BaseException:
+            # Cancelled: its reader's caller was interrupted, or the mount ends.
+            # The fetch has returned, so nothing writes into the buffer; the
+            # block goes, and whoever waited for it fetches it again.
+            block.state = BlockState.ABANDONED
+            self._forget_block(file_id, version, i, block)
+            raise
         else:
+            block.state = BlockState.READY
             self.blocks_fetched += 1
             if self._blocks.get((file_id, version, i)) is block:  # not forgotten meanwhile
                 self._bytes += len(block.data)
                 self._trim()
         finally:
             block.done.set()
+
+    def _forget_block(self, file_id: str, version: str, i: int, block: Block) -> None:
+        if self._blocks.get((file_id, version, i)) is block:
+            del self._blocks[(file_id, version, i)]
 
     def _trim(self) -> None:
         while self._bytes > MAX_BYTES and self._blocks:

@@ -20,7 +20,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def cluster_config(tmp_path: Path, ports: dict[str, int], **extra: str) -> Path:
+def cluster_config(
+    tmp_path: Path,
+    ports: dict[str, int],
+    timeout: float = 1.5,
+    heartbeat: float = 0.2,
+    **extra: str,
+) -> Path:
     secret = tmp_path / "secret"
     if not secret.exists():
         secret.write_text("correct horse battery staple 0123456789\n")
@@ -30,8 +36,8 @@ def cluster_config(tmp_path: Path, ports: dict[str, int], **extra: str) -> Path:
         "peers:",
         f"  secret_file: {secret}",
         f"  nodes: {{{nodes}}}",
-        "  timeout: 1.5",
-        "  heartbeat: 0.2",
+        f"  timeout: {timeout}",
+        f"  heartbeat: {heartbeat}",
         *(f"  {key}: {value}" for key, value in extra.items()),
     ]
     path = tmp_path / f"cluster-{len(list(tmp_path.glob('cluster-*')))}.yaml"

@@ -28,7 +28,7 @@ from ckptfs.peer.represent import representative
 from conftest import Mount, lines_of_a_killed_peer, wait_for
 from countingfs import CountingMount, counting_mount
 from test_interrupts import go, interrupt, next_line, requests, stop
-from test_peers_mount import free_port, peers_of
+from test_peers_mount import cluster_config, free_port, peers_of
 
 MiB = 1 << 20
 NODES = ("n1", "n2", "n3", "n4")
@@ -345,6 +345,31 @@ print(outcome, flush=True)
 """
 
 
+def ctrl_c_while_stopped(path: Path, *, reading: Mount, stopped: Mount) -> None:
+    """An O_DIRECT reader of ``path`` (on ``reading``) going backwards, with
+    ``stopped`` SIGSTOPped: its first READ waits for that node, and Ctrl-C
+    ends it within 5 s. ``stopped`` runs again afterwards."""
+    assert stopped.pid is not None
+    reader = subprocess.Popen(
+        [sys.executable, "-c", BACKWARDS, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    os.kill(stopped.pid, signal.SIGSTOP)
+    try:
+        assert next_line(reader) == "opened"
+        go(reader)
+        time.sleep(1)  # its first READ reaches the daemon and asks the stopped node
+        assert reader.poll() is None  # waiting for it
+        took = interrupt(reader, "read interrupted")
+        assert took < 5, took
+        assert requests(reading)["interrupts"] >= 1
+    finally:
+        os.kill(stopped.pid, signal.SIGCONT)
+        stop(reader)
+
+
 def last_chunk_represented_by(node: str, nodes: list[str], size: int) -> bytes:
     """Random bytes (chunked at fixed steps of the default chunk_size: they
     are no zip) whose last chunk has ``node`` as its representative."""
@@ -372,28 +397,39 @@ def test_ctrl_c_ends_a_read_waiting_for_a_hung_representative(mounts, tmp_path):
     assert (n1.mnt / "ckpt.pt").read_bytes() == data
     assert n1.stat()["representative"]["chunks_fetched"] > 0
     make_cold([n1, n2])
-    assert n2.pid is not None
-    reader = subprocess.Popen(
-        [sys.executable, "-c", BACKWARDS, str(n1.mnt / "ckpt.pt")],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    os.kill(n2.pid, signal.SIGSTOP)
-    try:
-        assert next_line(reader) == "opened"
-        go(reader)
-        time.sleep(1)  # its first READ reaches the daemon and asks n2
-        assert reader.poll() is None  # waiting for n2
-        took = interrupt(reader, "read interrupted")
-        assert took < 5, took
-        assert requests(n1)["interrupts"] >= 1
-    finally:
-        os.kill(n2.pid, signal.SIGCONT)
-        stop(reader)
+    ctrl_c_while_stopped(n1.mnt / "ckpt.pt", reading=n1, stopped=n2)
     # The interrupted fetch's frame is fetched again by the next reader.
     fetched = n1.stat()["representative"]["chunks_fetched"]
     assert (n1.mnt / "ckpt.pt").read_bytes() == data
     reps = n1.stat()["representative"]
     assert reps["chunks_fetched"] > fetched and reps["fallbacks"] == 0, reps  # n2 not given up on
     allow_teardown([n1, n2])
+
+
+def test_ctrl_c_ends_a_read_of_a_file_pending_on_a_hung_node(mounts, tmp_path):
+    """A file pending on n1 (its flush held back by a bandwidth cap) is read
+    on n2 from n1's RAM; n1 hangs (SIGSTOP; peers.timeout 60 s): Ctrl-C ends
+    n2's reader's READ (EINTR) instead of holding it for the timeout. Once
+    n1 runs again, the file reads whole on n2, from n1."""
+    ports = {"n1": free_port(), "n2": free_port()}
+    config = cluster_config(tmp_path, ports, timeout=60, heartbeat=0.5)
+    n1, n2 = mounts("n1"), mounts("n2")
+    n1.mount("--config", str(config), "--node", "n1",
+             env={"CKPTFS_FLUSH_BANDWIDTH": "32KiB", "CKPTFS_DURABILITY": "local"})  # fmt: skip
+    n2.mount("--config", str(config), "--node", "n2")
+    wait_for(lambda: peers_of(n2)["n1"]["alive"], 20, "n1 alive for n2")
+    data = random.randbytes(16 * MiB)
+    (n1.mnt / "ckpt.pt").write_bytes(data)
+    assert n1.file_state("ckpt.pt") in ("dirty", "flushing")  # pending, not durable
+    # A first read dials n1 (its first block only: not a sequential stream).
+    fd = os.open(n2.mnt / "ckpt.pt", os.O_RDONLY)
+    try:
+        assert os.pread(fd, 4096, 0) == data[:4096]
+    finally:
+        os.close(fd)
+    assert n2.stat()["peer_reads"]["bytes_fetched"] > 0
+    ctrl_c_while_stopped(n2.mnt / "ckpt.pt", reading=n2, stopped=n1)
+    assert (n2.mnt / "ckpt.pt").read_bytes() == data
+    assert n2.file_state("ckpt.pt") == "remote"  # not lost: the interrupt was nobody's failure
+    allow_teardown([n1, n2])
+    n1.kill()  # its flush is still capped: an unmount would wait for it first

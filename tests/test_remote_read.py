@@ -6,7 +6,7 @@ import random
 
 import trio
 import trio.testing
-from ckptfs.fs import remoteread
+from ckptfs.fs import interrupts, remoteread
 from ckptfs.fs.remoteread import BLOCK, RemoteReader
 
 SIZE = 5 * BLOCK + 12345
@@ -78,6 +78,60 @@ def test_a_failed_block_is_an_error_for_its_reader_and_is_tried_again():
                 await reader.read(["n1"], "f", "v1", SIZE, BLOCK - 10, BLOCK + 10, sequential=False)
                 == DATA["v1"][BLOCK - 10 : BLOCK + 10]
             )
+
+    trio.run(main)
+
+
+def test_an_interrupted_read_ends_its_wait_and_the_block_is_fetched_again():
+    """A holder that hangs: the reader fetching a block itself and a reader
+    waiting for another's fetch each end with EINTR when interrupted; a
+    waiter whose fetcher was interrupted fetches the block itself and gets
+    exact bytes; an interrupted waiter leaves the fetch it waited for alone."""
+
+    async def main() -> None:
+        holder = Holder()
+        holder.gate = trio.Event()  # hangs until set
+        results: dict[str, object] = {}
+        requests: dict[str, interrupts.InFlight] = {}
+
+        async def read(name: str, off: int, end: int) -> None:
+            with interrupts.handling(len(requests) + 1) as request:
+                requests[name] = request
+                try:
+                    results[name] = await reader.read(
+                        ["n1"], "f", "v1", SIZE, off, end, sequential=False
+                    )
+                except OSError as exc:
+                    results[name] = exc
+
+        async with trio.open_nursery() as nursery:
+            reader = RemoteReader(holder.fetch, nursery)
+            nursery.start_soon(read, "fetcher", 10, 20)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(read, "waiter", 30, 40)
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(holder.calls) == 1  # the waiter waits for the fetcher's block
+            requests["fetcher"].interrupt()
+            await trio.testing.wait_all_tasks_blocked()
+            error = results["fetcher"]
+            assert isinstance(error, interrupts.Interrupted) and error.errno == 4, error
+            assert "waiter" not in results and len(holder.calls) == 2  # it fetches anew
+            nursery.start_soon(read, "patient", 50, 60)  # waits for the waiter's fetch
+            await trio.testing.wait_all_tasks_blocked()
+            requests["patient"].interrupt()
+            await trio.testing.wait_all_tasks_blocked()
+            assert isinstance(results["patient"], interrupts.Interrupted)
+            assert "waiter" not in results  # its fetch goes on
+            holder.gate.set()
+            await trio.testing.wait_all_tasks_blocked()
+            assert results["waiter"] == DATA["v1"][30:40]
+            assert len(holder.calls) == 2
+            # The block is there for the next reader, fetched once more in all.
+            assert (
+                await reader.read(["n1"], "f", "v1", SIZE, 0, 5, sequential=False)
+                == (DATA["v1"][:5])
+            )
+            assert len(holder.calls) == 2
 
     trio.run(main)
 

@@ -26,13 +26,14 @@ into the buffer any more), and whoever waited for it fetches it again.
 from __future__ import annotations
 
 import enum
+import errno
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
 
-from .interrupts import interruptible
+from .interrupts import Interrupted, interruptible
 
 # (holders, file_id, version, offset, length, buffer) -> verified bytes, received
 # into the buffer; OSError if none serves.
@@ -82,13 +83,16 @@ class RemoteReader:
         sequential: bool,
     ) -> bytes | memoryview:
         """Bytes [off, end) of that version (``end`` clipped to ``size`` by the
-        caller); within one block, a view of it (blocks are never changed)."""
+        caller); within one block, a view of it (blocks are never changed).
+        Across blocks, a copy made as each block arrives: while this read
+        waits for the next block, the one before may be dropped and its
+        buffer filled again for another."""
         first, last = off // BLOCK, (end - 1) // BLOCK
         if sequential and self.nursery is not None:
             top = min(last + AHEAD, (size - 1) // BLOCK)
             for i in range(last + 1, top + 1):
                 self._start(holders, file_id, version, size, i, ahead=True)
-        parts = []
+        out = bytearray(end - off) if last > first else None
         what = f"read of file {file_id} from the nodes holding it"
         for i in range(first, last + 1):
             while True:
@@ -107,8 +111,12 @@ class RemoteReader:
                 raise block.error
             lo = max(off, i * BLOCK) - i * BLOCK
             hi = min(end, (i + 1) * BLOCK) - i * BLOCK
-            parts.append(memoryview(block.data)[lo:hi])
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+            if out is None:
+                return memoryview(block.data)[lo:hi]
+            at = i * BLOCK + lo - off
+            out[at : at + hi - lo] = memoryview(block.data)[lo:hi]
+        assert out is not None
+        return out
 
     def _start(
         self, holders: list[str], file_id: str, version: str, size: int, i: int, *, ahead: bool
@@ -117,11 +125,14 @@ class RemoteReader:
         block = self._blocks.get(key)
         if block is not None:
             return block
-        block = self._blocks[key] = Block()
+        block = Block()
         if ahead:
             assert self.nursery is not None
-            self.blocks_ahead += 1
+            # Before the block is in the table: a closed nursery raises here,
+            # and a block nobody fills would hold its readers for ever.
             self.nursery.start_soon(self._fill, block, holders, file_id, version, size, i)
+            self.blocks_ahead += 1
+        self._blocks[key] = block
         return block
 
     async def _fill(
@@ -130,21 +141,23 @@ class RemoteReader:
         if block.done.is_set():
             return
         start = i * BLOCK
-        block.buffer = self._free.pop() if self._free else bytearray(BLOCK)
         try:
+            block.buffer = self._free.pop() if self._free else bytearray(BLOCK)
             block.data = await self.fetch(
                 list(holders), file_id, version, start, min(BLOCK, size - start), block.buffer
             )
+        except (trio.Cancelled, Interrupted):
+            # Its reader's caller was interrupted, or the mount ends. The fetch
+            # has returned, so nothing writes into the buffer; the block goes,
+            # and whoever waited for it fetches it again.
+            self._end_unfilled(block, BlockState.ABANDONED, file_id, version, i)
+            raise
         except OSError as exc:
             block.error = exc
-            block.state = BlockState.FAILED
-            self._forget_block(file_id, version, i, block)  # the next reader tries again
-        except BaseException:
-            # Cancelled: its reader's caller was interrupted, or the mount ends.
-            # The fetch has returned, so nothing writes into the buffer; the
-            # block goes, and whoever waited for it fetches it again.
-            block.state = BlockState.ABANDONED
-            self._forget_block(file_id, version, i, block)
+            self._end_unfilled(block, BlockState.FAILED, file_id, version, i)
+        except Exception as exc:  # a bug: its readers get EIO, not a retry each
+            block.error = OSError(errno.EIO, f"fetch of {file_id} failed: {exc!r}")
+            self._end_unfilled(block, BlockState.FAILED, file_id, version, i)
             raise
         else:
             block.state = BlockState.READY
@@ -155,9 +168,18 @@ class RemoteReader:
         finally:
             block.done.set()
 
-    def _forget_block(self, file_id: str, version: str, i: int, block: Block) -> None:
+    def _end_unfilled(
+        self, block: Block, state: BlockState, file_id: str, version: str, i: int
+    ) -> None:
+        """A fetch that brought no bytes: the block leaves the table (the next
+        reader fetches again) and its buffer, which nothing writes into any
+        more, goes back to the pool."""
+        block.state = state
         if self._blocks.get((file_id, version, i)) is block:
             del self._blocks[(file_id, version, i)]
+        if block.buffer is not None and len(self._free) < MAX_BYTES // BLOCK:
+            self._free.append(block.buffer)
+        block.buffer = None
 
     def _trim(self) -> None:
         while self._bytes > MAX_BYTES and self._blocks:

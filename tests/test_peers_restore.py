@@ -11,6 +11,7 @@ store by all four daemons together are counted in one place.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import random
 import signal
@@ -421,10 +422,12 @@ def test_ctrl_c_ends_a_read_of_a_file_pending_on_a_hung_node(mounts, tmp_path):
     data = random.randbytes(16 * MiB)
     (n1.mnt / "ckpt.pt").write_bytes(data)
     assert n1.file_state("ckpt.pt") in ("dirty", "flushing")  # pending, not durable
-    # A first read dials n1 (its first block only: not a sequential stream).
-    fd = os.open(n2.mnt / "ckpt.pt", os.O_RDONLY)
+    # A first read dials n1: one READ (O_DIRECT: no kernel read-ahead), of
+    # the first block only, so no stream starts fetching ahead.
+    fd = os.open(n2.mnt / "ckpt.pt", os.O_RDONLY | os.O_DIRECT)
     try:
-        assert os.pread(fd, 4096, 0) == data[:4096]
+        page = mmap.mmap(-1, 4096)
+        assert os.preadv(fd, [page], 0) == 4096 and page[:] == data[:4096]
     finally:
         os.close(fd)
     assert n2.stat()["peer_reads"]["bytes_fetched"] > 0

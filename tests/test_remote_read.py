@@ -136,6 +136,42 @@ def test_an_interrupted_read_ends_its_wait_and_the_block_is_fetched_again():
     trio.run(main)
 
 
+def test_a_read_across_blocks_keeps_its_bytes_when_the_first_block_is_reused():
+    """A read of two blocks waits for the second while the first is dropped
+    (the file became durable here: forget) and its buffer fills again with
+    another version's block: the read still returns its own version's bytes."""
+
+    async def main() -> None:
+        holder = Holder()
+        gate = trio.Event()
+        plain_fetch = holder.fetch
+
+        async def fetch(holders, file_id, version, offset, length, into=None):
+            if (version, offset) == ("v1", BLOCK):
+                await gate.wait()
+            return await plain_fetch(holders, file_id, version, offset, length, into)
+
+        reader = RemoteReader(fetch)
+        got: list[bytes] = []
+
+        async def across() -> None:
+            data = await reader.read(
+                ["n1"], "f", "v1", SIZE, BLOCK - 10, BLOCK + 10, sequential=False
+            )
+            got.append(bytes(data))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(across)
+            await trio.testing.wait_all_tasks_blocked()  # block 0 read, block 1 waits
+            reader.forget("f")  # block 0 dropped: its buffer back in the pool
+            other = await reader.read(["n1"], "f", "v2", SIZE, 0, 100, sequential=False)
+            assert bytes(other) == DATA["v2"][:100]  # in the reused buffer
+            gate.set()
+        assert got == [DATA["v1"][BLOCK - 10 : BLOCK + 10]]
+
+    trio.run(main)
+
+
 def test_blocks_stay_under_their_memory_bound(monkeypatch):
     monkeypatch.setattr(remoteread, "MAX_BYTES", 2 * BLOCK)
 

@@ -168,9 +168,9 @@ class FrameCache:
 
     def ready(self, chunk: Chunk) -> Frame | None:
         """The ready frame of ``chunk`` now, without waiting (marks it used)."""
-        frame = self.frames.get(chunk.hash)
-        if frame is None or frame.state is not FrameState.READY:
+        if not self.is_ready(chunk):
             return None
+        frame = self.frames[chunk.hash]
         self._use(frame)
         return frame
 

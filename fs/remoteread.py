@@ -93,19 +93,8 @@ class RemoteReader:
             for i in range(last + 1, top + 1):
                 self._start(holders, file_id, version, size, i, ahead=True)
         out = bytearray(end - off) if last > first else None
-        what = f"read of file {file_id} from the nodes holding it"
         for i in range(first, last + 1):
-            while True:
-                block = self._blocks.get((file_id, version, i))
-                with interruptible(what):
-                    if block is None:
-                        block = self._start(holders, file_id, version, size, i, ahead=False)
-                        await self._fill(block, holders, file_id, version, size, i)
-                    else:
-                        self._blocks.move_to_end((file_id, version, i))
-                        await block.done.wait()
-                if block.state is not BlockState.ABANDONED:
-                    break
+            block = await self._settled(holders, file_id, version, size, i)
             if block.state is BlockState.FAILED:
                 assert block.error is not None
                 raise block.error
@@ -117,6 +106,24 @@ class RemoteReader:
             out[at : at + hi - lo] = memoryview(block.data)[lo:hi]
         assert out is not None
         return out
+
+    async def _settled(
+        self, holders: list[str], file_id: str, version: str, size: int, i: int
+    ) -> Block:
+        """Block ``i``, READY or FAILED: fetched here if nobody fetches it,
+        else waited for (and fetched here if that fetch was abandoned)."""
+        key = (file_id, version, i)
+        while True:
+            block = self._blocks.get(key)
+            with interruptible(f"read of file {file_id} from the nodes holding it"):
+                if block is None:
+                    block = self._start(holders, file_id, version, size, i, ahead=False)
+                    await self._fill(block, holders, file_id, version, size, i)
+                else:
+                    self._blocks.move_to_end(key)
+                    await block.done.wait()
+            if block.state is not BlockState.ABANDONED:
+                return block
 
     def _start(
         self, holders: list[str], file_id: str, version: str, size: int, i: int, *, ahead: bool

@@ -494,19 +494,17 @@ def run_in_shm_workdir(
     made = args.workdir is None
     if made:
         args.workdir = Path(tempfile.mkdtemp(prefix=f"ckptfs-{prog}-", dir="/dev/shm"))
+    status = 1  # if the benchmark itself raises (or Ctrl-C): its files are kept
     try:
         status = run_mounted(prog, args, benchmark)
-    except BaseException:
-        if made:  # a crash of the benchmark itself (or Ctrl-C): say where its files are
+    finally:
+        if made and not args.keep and status == 0:
+            if is_mounted(args.workdir.resolve() / "mnt"):
+                print(f"left {args.workdir} in place: its mnt/ is still mounted")
+            else:
+                shutil.rmtree(args.workdir, ignore_errors=True)
+        elif made:
             print(f"{prog}: files and the daemon log left in {args.workdir}", file=sys.stderr)
-        raise
-    if made and not args.keep and status == 0:
-        if is_mounted(args.workdir.resolve() / "mnt"):
-            print(f"left {args.workdir} in place: its mnt/ is still mounted")
-        else:
-            shutil.rmtree(args.workdir, ignore_errors=True)
-    elif made:
-        print(f"{prog}: files and the daemon log left in {args.workdir}", file=sys.stderr)
     return status
 
 

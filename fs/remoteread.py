@@ -84,28 +84,33 @@ class RemoteReader:
     ) -> bytes | memoryview:
         """Bytes [off, end) of that version (``end`` clipped to ``size`` by the
         caller); within one block, a view of it (blocks are never changed).
-        Across blocks, a copy made as each block arrives: while this read
-        waits for the next block, the one before may be dropped and its
-        buffer filled again for another."""
+        Across blocks, a copy; the bytes of the blocks before are copied
+        before this read waits for a block, since those may be dropped and
+        their buffers filled again meanwhile."""
         first, last = off // BLOCK, (end - 1) // BLOCK
         if sequential and self.nursery is not None:
             top = min(last + AHEAD, (size - 1) // BLOCK)
             for i in range(last + 1, top + 1):
                 self._start(holders, file_id, version, size, i, ahead=True)
-        out = bytearray(end - off) if last > first else None
+        parts: list[bytes | memoryview] = []
         for i in range(first, last + 1):
-            block = await self._settled(holders, file_id, version, size, i)
+            key = (file_id, version, i)
+            block = self._blocks.get(key)
+            if block is not None and block.done.is_set():  # READY (others leave the table)
+                self._blocks.move_to_end(key)
+            else:
+                if parts:
+                    # While this block is awaited, the ones before may be
+                    # dropped and their buffers filled again for another.
+                    parts = [b"".join(parts)]
+                block = await self._settled(holders, file_id, version, size, i)
             if block.state is BlockState.FAILED:
                 assert block.error is not None
                 raise block.error
             lo = max(off, i * BLOCK) - i * BLOCK
             hi = min(end, (i + 1) * BLOCK) - i * BLOCK
-            if out is None:
-                return memoryview(block.data)[lo:hi]
-            at = i * BLOCK + lo - off
-            out[at : at + hi - lo] = memoryview(block.data)[lo:hi]
-        assert out is not None
-        return out
+            parts.append(memoryview(block.data)[lo:hi])
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def _settled(
         self, holders: list[str], file_id: str, version: str, size: int, i: int

@@ -69,6 +69,18 @@ class FileLost(OSError):
         super().__init__(errno.EIO, message)
 
 
+class HoldersFailed(OSError):
+    """No holder served bytes of a file pending on other nodes. Either it is
+    lost, or its writer moved on (published it as durable, or rewrote,
+    replaced or removed it): only its manifest tells, which the caller reads
+    (Filesystem.read), then :meth:`Cache.declare_lost` if it is lost."""
+
+    def __init__(self, path: str, version: str, reason: str) -> None:
+        super().__init__(errno.EIO, f"{path}: {reason}")
+        self.version = version
+        self.reason = reason
+
+
 def _move_mirror(f: CachedFile, path: str) -> None:
     """Mirror ``f`` is at ``path`` now; the takeover also looks at the last
     few paths it had (a rename that failed, a message that crossed another)."""
@@ -395,6 +407,8 @@ class Cache:
     @staticmethod
     def _record_key(f: CachedFile) -> tuple[str, str] | None:
         """The journal record that lists this file's slots, if it may have one."""
+        if f.role is FileRole.REMOTE:
+            return None  # no slots here: a record of that version is a mirror's, or nobody's
         if f.state is FileState.PENDING:
             return (f.file_id, f.version)
         if f.state is FileState.PUBLISHING and f.publishing is not None:
@@ -987,7 +1001,10 @@ class Cache:
         end = min(off + size, f.size)
         if end <= off:
             return b""
-        if f.role is FileRole.REMOTE and f.state is FileState.PENDING:
+        if f.role is FileRole.REMOTE:
+            # Pending elsewhere, or such a version retired here (a newer one
+            # was loaded, or it was removed) while handles still read it: its
+            # bytes are only on its holders, never in this node's RAM or chunks.
             return await self._read_remote(f, off, end)
         # Before this read waits for its own chunk, so the next ones overlap it.
         self.readahead.observe(f, off, end)
@@ -1000,7 +1017,7 @@ class Cache:
         one does (``read`` then waits for it). Off the loop (the FUSE request
         thread, the loop parked) only bytes in RAM pages count, and no
         read-ahead starts: that takes the loop's nursery."""
-        if f.lost or (f.role is FileRole.REMOTE and f.state is FileState.PENDING):
+        if f.lost or f.role is FileRole.REMOTE:
             return None
         end = min(off + size, f.size)
         views = self.reader.read_now(f, off, end, frames_ok=on_loop) if end > off else []
@@ -1036,8 +1053,7 @@ class Cache:
 
     async def _read_remote(self, f: CachedFile, off: int, end: int) -> bytes | memoryview:
         """Bytes of a file pending on other nodes, from a holder (verified there
-        and here by hash). When no holder serves them the file is LOST here:
-        EIO with the reason, until its manifest changes or a holder is back."""
+        and here by hash). HoldersFailed if no holder serves them."""
         assert self.peer_fetch is not None
         version = f.version
         held = self.held_version(f.file_id, version)
@@ -1053,12 +1069,22 @@ class Cache:
         except Interrupted:
             raise  # the caller's stop signal, not a holder's failure
         except OSError as exc:
-            if f.state is FileState.PENDING and f.role is FileRole.REMOTE and f.version == version:
-                f.state = FileState.LOST
-                f.lost_reason = f"not durable yet and no holder served it: {exc}"
-                self._notify(f)
-                log.error("%s is lost here: %s", f.path, f.lost_reason)
-            raise FileLost(f"{f.path}: {exc}") from None
+            raise HoldersFailed(f.path, version, str(exc)) from None
+
+    def declare_lost(self, f: CachedFile, failed: HoldersFailed) -> FileLost:
+        """``f`` is still pending elsewhere at the version no holder served:
+        LOST here, EIO with the reason, until its manifest changes or a
+        holder is back (load). The error to raise."""
+        if (
+            f.state is FileState.PENDING
+            and f.role is FileRole.REMOTE
+            and f.version == failed.version
+        ):
+            f.state = FileState.LOST
+            f.lost_reason = f"not durable yet and no holder served it: {failed.reason}"
+            self._notify(f)
+            log.error("%s is lost here: %s", f.path, f.lost_reason)
+        return FileLost(f"{f.path}: {failed.reason}")
 
     @property
     def peer_fetch(self) -> PeerFetch | None:

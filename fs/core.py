@@ -145,9 +145,10 @@ class Core:
                 if f.owes_flush:
                     self.flusher.enqueue(f)
                     pending.append(f)
-            for f in pending:
-                while f.owes_flush:
-                    await f.durable_event.wait()
+            with self.flusher.awaited(pending):
+                for f in pending:
+                    while f.owes_flush:
+                        await f.durable_event.wait()
         failed += [f.path for f in pending if f.owes_flush]
         return {
             "ok": not failed,
@@ -165,6 +166,7 @@ class Core:
             if f.owes_flush:
                 self.flusher.enqueue(f)
                 count += 1
+        self.flusher.hurry()
         return count
 
     def evict(self, prefix: str) -> tuple[int, list[str]]:

@@ -29,7 +29,7 @@ from typing import Any, Protocol, TypeVar
 import trio
 
 from .backing import Backing, Entry, PlainFile
-from .cache import MAX_FILE_SIZE, Cache, FileLost
+from .cache import MAX_FILE_SIZE, Cache, FileLost, HoldersFailed
 from .cachedfile import CachedFile, Snapshot
 from .chunkstore import ChunkCorrupt
 from .config import Config
@@ -55,6 +55,9 @@ WRITE_BLKSIZE = 1 << 20
 READ_BLKSIZE = 4096
 # Reads of a name that a rename overlapped before a lookup waits for a gap.
 RESOLVE_TRIES = 3
+# A read of a file pending elsewhere whose holders failed looks at its
+# manifest, and tries again (made durable, or changed here meanwhile) this often.
+HOLDERS_FAILED_TRIES = 3
 # Threads whose open was sent back with ESTALE (a rename replaced its file)
 # are remembered until their retry, or, past this many, for this long.
 STALE_OPENS_KEPT = 1024
@@ -1000,17 +1003,89 @@ class FileSystem:
         f = handle.file
         assert f is not None
         try:
-            # A view of the arena where possible: returned straight to the reply.
-            return await self.cache.read(f, off, size, view_ok=True)
+            for _ in range(HOLDERS_FAILED_TRIES):
+                try:
+                    # A view of the arena where possible: returned straight to the reply.
+                    return await self.cache.read(f, off, size, view_ok=True)
+                except HoldersFailed as failed:
+                    await self._after_holders_failed(f, failed)
+            raise FsError(errno.EIO, f"{f.path}: changed on other nodes while it was read")
         except FileLost as exc:
             log.error("read of %s failed: %s", f.path, exc.strerror)
             raise FsError(errno.EIO, exc.strerror, logged=True) from None
         except ChunkCorrupt as exc:
             raise FsError(errno.EIO, f"{f.path}: {exc}", logged=True) from None
-        except Interrupted:
-            raise  # the caller's Ctrl-C (EINTR), not a failure of the store
+        except (Interrupted, FsError):
+            raise  # the caller's Ctrl-C (EINTR); ESTALE: not a failure of the store
         except OSError as exc:
             raise FsError(errno.EIO, f"{f.path}: {exc}") from None
+
+    async def _after_holders_failed(self, f: CachedFile, failed: HoldersFailed) -> None:
+        """No holder served bytes of ``f``, a version pending on other nodes:
+        why, by its manifest now. Returns if the read may try again: ``f`` was
+        published as durable meanwhile (its writer's umount or flush, a
+        takeover; it reads the store from here on), or something changed
+        here while the manifest was read. Raises ESTALE if its writer moved
+        on (another version or another file at its name, or a newer version
+        loaded here): the holders drop a version nobody there has open, and
+        NFS answers a reader of a file that another client removed the same
+        way. Raises FileLost (the file LOST here) if the manifest still names
+        that pending version: its holders are gone."""
+        if f.unlinked:
+            raise self._stale(f, failed, "it was replaced or removed here meanwhile")
+        path, generation = f.path, self.ns_lock.generation
+        try:
+            entry: Entry | None = await self.backing.entry(path)
+        except (FileNotFoundError, NotADirectoryError):
+            entry = None
+        except Interrupted:
+            raise
+        except OSError as exc:  # neither holders nor the store can tell: not a loss yet
+            raise FsError(
+                errno.EIO,
+                f"{path}: no holder served it ({failed.reason}), and its manifest "
+                f"could not be read: {exc}",
+            ) from exc
+        if f.unlinked or self.cache.files.get(f.file_id) is not f:
+            raise self._stale(f, failed, "a newer version was loaded here meanwhile")
+        if (
+            f.role is not FileRole.REMOTE
+            or f.version != failed.version
+            or f.path != path
+            or not self.ns_lock.stable_since(generation)
+        ):
+            return  # made durable by another open, renamed or relinked meanwhile: again
+        m = entry.manifest if entry is not None else None
+        if m is not None and (m.file_id, m.version) == (f.file_id, f.version):
+            if m.state != "durable":
+                raise self.cache.declare_lost(f, failed)
+            assert entry is not None
+            self.cache.load(m, path, entry.st.st_uid, entry.st.st_gid)
+            return
+        now = (
+            "nothing"
+            if entry is None
+            else "another file"
+            if m is None or m.file_id != f.file_id
+            else f"version {m.version}"
+        )
+        # Nothing will serve this version again: it goes, as when a newer
+        # version is loaded here (its handles still ask its holders).
+        self.cache.unlink(f)
+        raise self._stale(f, failed, f"its name holds {now} now")
+
+    @staticmethod
+    def _stale(f: CachedFile, failed: HoldersFailed, why: str) -> FsError:
+        log.info(
+            "read of %s: version %s is gone from its holders (%s), and %s: stale (ESTALE)",
+            f.path,
+            failed.version,
+            failed.reason,
+            why,
+        )
+        return FsError(
+            errno.ESTALE, f"{f.path}: changed on another node while open here", logged=True
+        )
 
     def read_now(
         self, fh: int, off: int, size: int, *, on_loop: bool

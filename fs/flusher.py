@@ -12,11 +12,12 @@ and the file's next commit queues it again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import trio
@@ -174,6 +175,12 @@ class Flusher:
         self._send, self._recv = trio.open_memory_channel[tuple[CachedFile, float]](math.inf)
         self._queued: set[CachedFile] = set()
         self._again: set[CachedFile] = set()
+        # An operator's flush (and an unmount) cuts the settle short for every
+        # file queued until then (hurry), and for files someone waits to see
+        # durable whenever they are queued again (awaited).
+        self._hurried_at = -math.inf
+        self._hurry = trio.Event()
+        self._awaited: dict[CachedFile, int] = {}
         self.active: set[CachedFile] = set()
         # Counters for `stat`.
         self.bytes_stored = 0
@@ -197,6 +204,35 @@ class Flusher:
             self._queued.add(f)
             self._send.send_nowait((f, trio.current_time()))
 
+    def hurry(self) -> None:
+        """Files queued until now start their flush without waiting for the
+        rest of ``settle``: someone waits for them to be durable."""
+        self._hurried_at = trio.current_time()
+        self._hurry.set()
+        self._hurry = trio.Event()
+
+    @contextlib.contextmanager
+    def awaited(self, files: list[CachedFile]) -> Iterator[None]:
+        """While this is held, ``files`` skip the settle each time they are
+        queued (a file changed during its flush is queued again)."""
+        for f in files:
+            self._awaited[f] = self._awaited.get(f, 0) + 1
+        self.hurry()
+        try:
+            yield
+        finally:
+            for f in files:
+                if self._awaited[f] == 1:
+                    del self._awaited[f]
+                else:
+                    self._awaited[f] -= 1
+
+    async def _settled(self, f: CachedFile, queued_at: float) -> None:
+        if queued_at <= self._hurried_at or f in self._awaited:
+            return
+        with trio.move_on_at(queued_at + self.settle):
+            await self._hurry.wait()
+
     @property
     def queued(self) -> int:
         return len(self._queued)
@@ -212,7 +248,7 @@ class Flusher:
         # a dead worker would leave files pending forever (or end the daemon).
         async for f, queued_at in self._recv:
             # Queued again meanwhile: flushed once, with what it holds then.
-            await trio.sleep_until(queued_at + self.settle)
+            await self._settled(f, queued_at)
             self._queued.discard(f)
             try:
                 await self.flush_file(f)

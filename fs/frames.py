@@ -16,10 +16,12 @@ waited for it get the error (EIO, never the bytes), and a later reader tries
 the store again.
 
 A FUSE reader's Ctrl-C ends its wait in the store (interrupts.py), whether
-it fills the frame or waits for another's fill. The read itself goes on in
-its thread for the frame (READING_ON), which it makes READY (or fails) when
-it returns, so the other readers of the chunk wait for that one read
-rather than each start another in a store that hangs; it keeps the
+it fills the frame or waits for another's fill; so does a cancellation of
+the filling task (a node that asked this one, its representative, for the
+chunk sent CANCEL). The read itself goes on in its thread for the frame
+(READING_ON), which it makes READY (or fails) when it returns, so the other
+readers of the chunk wait for that one read rather than each start another
+in a store that hangs or is slow; it keeps the
 deadline the reader's wait had (``backing_timeout``), after which the frame
 fails with the store marked down, as if the reader had waited. A read
 given up on before it began (every store thread busy) is not made: the
@@ -61,9 +63,9 @@ RemoteFill = Callable[[Chunk, list[memoryview], str], Awaitable[bool]]
 
 class FrameState(Enum):
     LOADING = "loading"  # reserved; a thread is filling the slots, or will: not readable yet
-    # Its filler was interrupted while the store read ran: the read goes on
-    # in its thread and completes the frame (``_read_ended``), or the
-    # frame fails at its deadline (``_expire``). Not readable yet.
+    # Its filler was interrupted or cancelled while the store read ran: the
+    # read goes on in its thread and completes the frame (``_read_ended``),
+    # or the frame fails at its deadline (``_expire``). Not readable yet.
     READING_ON = "reading on"
     READY = "ready"  # verified; readable until evicted
     FAILED = "failed"  # its fill failed or timed out: gone from the cache (see ``failure``)
@@ -222,7 +224,7 @@ class FrameCache:
             await self._read_into(frame, what)
         except BaseException as exc:
             if frame.state is FrameState.READING_ON:
-                raise  # the caller was interrupted; the read completes the frame
+                raise  # the caller was interrupted or cancelled; the read completes the frame
             if isinstance(exc, Exception) and not isinstance(exc, Interrupted):
                 self.failed += 1
             self._fail(frame, exc)
@@ -293,9 +295,13 @@ class FrameCache:
         deadline = trio.current_time() + self.io.timeout  # as io.run's own
         try:
             await self.io.run(read, what=f"read chunk of {what}", call=call, interruptible=True)
-        except Interrupted:
-            # The read was on its way: it goes on, until its deadline. (Else
-            # the request was interrupted before, and no read was asked for.)
+        except (Interrupted, trio.Cancelled):
+            # The read was on its way: it goes on, until its deadline, for
+            # whoever wants the chunk next. (Else the request was interrupted
+            # before, and no read was asked for.) Cancelled: a node that
+            # asked this representative for the chunk gave up (its reader's
+            # Ctrl-C, its timeout) and sent CANCEL; it, or another node,
+            # asks again, and a second read of the store would serve that.
             if call.abandoned():
                 self._read_on(frame, deadline, what)
             raise
@@ -328,9 +334,11 @@ class FrameCache:
             self._fail(frame, Interrupted(f"read chunk of {what}"))
 
     def _read_on(self, frame: Frame, deadline: float, what: str) -> None:
-        """Its reader was interrupted: the frame waits for the read (READING_ON)
-        until ``deadline`` (trio clock), if there is a nursery for that timer."""
-        if self.nursery is None:
+        """Its reader was interrupted or cancelled: the frame waits for the
+        read (READING_ON) until ``deadline`` (trio clock), if there is a
+        nursery for that timer, and it is not being cancelled (the cache is
+        closing, as its timer would be: the frame fails now)."""
+        if self.nursery is None or self.nursery.cancel_scope.cancel_called:
             return
         try:
             self.nursery.start_soon(self._expire, frame, deadline, what)

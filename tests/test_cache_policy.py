@@ -121,6 +121,30 @@ def test_flush_wait_does_not_flush_a_file_twice(mounts):
     assert len(records) == 1, records
 
 
+def test_an_operators_flush_and_the_umount_do_not_wait_out_flush_settle(mounts):
+    """`flush.settle` delays a closed file's flush (a rename usually follows
+    the close); `ckptfs flush`, `flush --wait` and the umount want the files
+    durable now, so they cut it short for every file queued until then."""
+    m = mounts()
+    m.mount(env={"CKPTFS_FLUSH_SETTLE": "600"})
+    (m.mnt / "a.bin").write_bytes(os.urandom(1 << 20))
+    time.sleep(0.5)
+    assert m.file_state("a.bin") == "dirty"  # settling
+    start = time.monotonic()
+    m.cli("flush", str(m.mnt), "--wait", "--timeout", "60", timeout=90)
+    assert m.file_state("a.bin") == "durable"
+    (m.mnt / "b.bin").write_bytes(os.urandom(1 << 20))
+    m.cli("flush", str(m.mnt))  # without --wait: starts it
+    deadline = time.monotonic() + 60
+    while m.file_state("b.bin") != "durable":
+        assert time.monotonic() < deadline, m.file_state("b.bin")
+        time.sleep(0.05)
+    (m.mnt / "c.bin").write_bytes(os.urandom(1 << 20))
+    m.umount()
+    assert time.monotonic() - start < 120  # not 600 s per file
+    assert read_manifest(m.backing / "c.bin").state == "durable"
+
+
 def wait_prefault(m, timeout: float = 30) -> dict:  # noqa: ANN001
     deadline = time.monotonic() + timeout
     while (s := m.stat())["cache"]["prefault"] == "running":

@@ -118,6 +118,21 @@ def test_mount_refuses_a_node_missing_from_nodes_and_an_open_secret(mounts, tmp_
     assert proc.returncode == 1 and "peers.secret_file" in proc.stderr, proc.stderr
 
 
+def _slow_writer_and_reader(
+    mounts, tmp_path: Path, bandwidth: str = "32KiB"
+) -> tuple[Mount, Mount]:
+    """n1 writes and is slow to flush (a bandwidth cap, durability local:
+    its files stay pending, held by n1 alone); n2 reads them from n1."""
+    ports = {"n1": free_port(), "n2": free_port()}
+    config = cluster_config(tmp_path, ports)
+    n1, n2 = mounts("n1"), mounts("n2")
+    n1.mount("--config", str(config), "--node", "n1",
+             env={"CKPTFS_FLUSH_BANDWIDTH": bandwidth, "CKPTFS_DURABILITY": "local"})  # fmt: skip
+    n2.mount("--config", str(config), "--node", "n2")
+    wait_for(lambda: peers_of(n2)["n1"]["alive"], 20, "n1 alive for n2")
+    return n1, n2
+
+
 def test_a_file_pending_on_another_node_is_read_from_it(mounts, tmp_path):
     """n1 closes a file and is slow to flush it (a bandwidth cap): n2 reads
     its bytes from n1, verified. When n1 dies, what n2 has not read yet is
@@ -126,13 +141,7 @@ def test_a_file_pending_on_another_node_is_read_from_it(mounts, tmp_path):
     never wrong bytes.
     (Durability local: with buddy, n2 would hold the file and take it over;
     tests/test_buddy.py covers that.)"""
-    ports = {"n1": free_port(), "n2": free_port()}
-    config = cluster_config(tmp_path, ports)
-    n1, n2 = mounts("n1"), mounts("n2")
-    n1.mount("--config", str(config), "--node", "n1",
-             env={"CKPTFS_FLUSH_BANDWIDTH": "32KiB", "CKPTFS_DURABILITY": "local"})  # fmt: skip
-    n2.mount("--config", str(config), "--node", "n2")
-    wait_for(lambda: peers_of(n2)["n1"]["alive"], 20, "n1 alive for n2")
+    n1, n2 = _slow_writer_and_reader(mounts, tmp_path)
     # Larger than what n2's read-ahead fetches beyond its reads (4 blocks of
     # 4 MiB), so that part of it is still only on n1 when n1 dies.
     data = os.urandom(40 * MiB + 12345)
@@ -165,3 +174,75 @@ def test_a_file_pending_on_another_node_is_read_from_it(mounts, tmp_path):
     lost = n2.stat()["lost"]
     assert [item["path"] for item in lost] == ["ckpt.pt"]
     assert "n1" in lost[0]["reason"]
+
+
+def _version(m: Mount, path: str) -> str:
+    return next(f["version"] for f in m.stat()["files"] if f["path"] == path)
+
+
+def test_a_file_changed_on_its_node_while_open_on_another_is_stale_there_not_lost(mounts, tmp_path):
+    """n2 has a file open that is pending on n1, which then rewrites it in
+    place, or replaces it (torch.save to a temporary name, os.replace), and
+    n2 also opens the new version. n2's old handle then reads only the bytes
+    it fetched already: a read of others gets ESTALE, as NFS answers a reader
+    of a file that another client changed under it; never EIO with a false
+    "is lost here" (the stress run, tests/stress_mount.py, found that), and
+    never zeros (a second reader found that the old version, retired on n2
+    once n2 loaded the new one, read as zeros). A new open reads the new
+    version whole."""
+    n1, n2 = _slow_writer_and_reader(mounts, tmp_path)
+    for change in ("rewrite", "replace"):
+        name = f"{change}.pt"
+        # Larger than what n2 fetches ahead of its reads (4 blocks of 4 MiB).
+        old, new = os.urandom(40 * MiB + 1), os.urandom(40 * MiB + 2)
+        (n1.mnt / name).write_bytes(old)
+        fd = os.open(n2.mnt / name, os.O_RDONLY | os.O_DIRECT)
+        try:
+            assert os.pread(fd, MiB, 0) == old[:MiB]
+            version = _version(n1, name)
+            if change == "rewrite":
+                (n1.mnt / name).write_bytes(new)  # in place: the same file, a new version
+            else:
+                (n1.mnt / "tmp").write_bytes(new)
+                os.replace(n1.mnt / "tmp", n1.mnt / name)
+            with open(n2.mnt / name, "rb") as f:  # n2 loads the new version
+                assert f.read(MiB) == new[:MiB]
+            # n1 serves no version that is not the one at its name: a replaced
+            # file it keeps for open handles may still be written through them.
+            assert all(f["version"] != version for f in n1.stat()["files"] if f["path"] == name)
+            with pytest.raises(OSError) as err:
+                os.pread(fd, MiB, 36 * MiB)
+            assert err.value.errno == errno.ESTALE, (change, err.value)
+            assert n2.stat()["lost"] == []
+        finally:
+            os.close(fd)
+        assert (n2.mnt / name).read_bytes() == new
+    assert n2.stat()["lost"] == []
+    n1.kill()  # its files are not durable (the bandwidth cap): no clean unmount
+    n2.allowed_log += lines_of_a_killed_peer("n1")
+
+
+def test_a_reader_goes_on_from_the_store_once_the_writer_node_unmounted(mounts, tmp_path):
+    """n2 reads a file pending on n1; n1 is unmounted cleanly, which makes
+    the file durable in the store first. n2's reads of bytes it has not
+    fetched yet come from the store: the whole file, through the handle n2
+    opened while the file was still pending. (Before, n2 took the file for
+    lost: EIO, though every byte was in the store.)"""
+    # Pending for about 5 s after its close: the umount waits for the rest.
+    n1, n2 = _slow_writer_and_reader(mounts, tmp_path, bandwidth="8MiB")
+    data = os.urandom(40 * MiB + 4321)
+    (n1.mnt / "ckpt.pt").write_bytes(data)
+    assert n1.file_state("ckpt.pt") in ("dirty", "flushing")
+    fd = os.open(n2.mnt / "ckpt.pt", os.O_RDONLY | os.O_DIRECT)
+    try:
+        assert os.pread(fd, MiB, 0) == data[:MiB]
+        assert {f["path"]: f["state"] for f in n2.stat()["files"]}["ckpt.pt"] == "remote"
+        n1.umount()  # flushes everything to the store, then goes
+        n2.allowed_log += lines_of_a_killed_peer("n1")  # gone, as a killed node is
+        got = bytearray()
+        while chunk := os.pread(fd, 4 * MiB, len(got)):
+            got += chunk
+        assert got == data
+    finally:
+        os.close(fd)
+    assert n2.stat()["lost"] == []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from functools import partial
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import trio
 from ckptfs.fs.arena import Arena
 from ckptfs.fs.blocking import BackingIO
 from ckptfs.fs.chunkstore import ChunkStore, chunk_hash
-from ckptfs.fs.frames import FrameCache
+from ckptfs.fs.frames import FrameCache, FrameState
 from ckptfs.fs.manifest import Chunk
 from ckptfs.peer.represent import (
     ChunkServer,
@@ -191,5 +192,52 @@ def test_a_representative_that_cannot_read_the_chunk_is_a_fallback(tmp_path, cap
         other, other_data = chunk_for("srv", ["cli", "srv"])
         srv.store.put(other.hash, other_data)
         assert await cli.read(other) == other_data and fetch.chunks_fetched == 1
+
+    run(lambda: with_cluster(tmp_path, test))
+
+
+def test_a_read_the_asking_node_gave_up_on_serves_its_next_request(tmp_path) -> None:
+    """A node that stops waiting for a chunk (its reader's Ctrl-C, or its
+    own timeout) sends CANCEL. The representative's store read goes on and
+    serves the next request for the chunk, rather than a second read of the
+    store (which every other node waiting for that chunk would also pay)."""
+
+    async def test(srv: Side, cli: Side, fetch: RepresentativeFetch, server: ChunkServer) -> None:
+        chunk, data = chunk_for("srv", ["cli", "srv"])
+        srv.store.put(chunk.hash, data)
+        reading, release = threading.Event(), threading.Event()
+        store_reads: list[str] = []
+        read_into = srv.store.read_into
+
+        def held_read_into(digest: str, *args, **kwargs) -> None:
+            store_reads.append(digest)
+            reading.set()
+            release.wait(10)  # the store is slow: the asking node gives up meanwhile
+            read_into(digest, *args, **kwargs)
+
+        srv.store.read_into = held_read_into
+        async with trio.open_nursery() as nursery:
+            srv.frames.nursery = nursery  # as the cache's background nursery
+            gave_up = trio.CancelScope()
+
+            async def first_read() -> None:
+                with gave_up:
+                    await cli.read(chunk)
+
+            nursery.start_soon(first_read)
+            await trio.to_thread.run_sync(reading.wait, 10)
+            gave_up.cancel()
+            # The CANCEL reaches the representative and ends its handler.
+            while (frame := srv.frames.frames.get(chunk.hash)) is not None and (
+                frame.state is FrameState.LOADING
+            ):
+                await trio.sleep(0.01)
+            assert gave_up.cancelled_caught
+            release.set()
+            assert await cli.read(chunk) == data
+            assert store_reads == [chunk.hash]  # the one read, gone on for the retry
+            assert srv.frames.reads == 1 and cli.frames.reads == 0
+            assert fetch.fallbacks == 0 and fetch.chunks_fetched == 1
+            nursery.cancel_scope.cancel()
 
     run(lambda: with_cluster(tmp_path, test))

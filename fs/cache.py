@@ -420,7 +420,9 @@ class Cache:
         if f.lost:
             raise FileLost(f"{f.path}: its bytes are lost; only a full rewrite may replace it")
         if f.state is FileState.UNLINKED:
-            return  # open handles of a removed file may still write; nothing publishes it
+            # Open handles of a removed file may still write; nothing publishes it.
+            self._content_here(f)
+            return
         key = self._record_key(f)
         if f.state is not FileState.MODIFIED:
             # New content begins (a rewrite of a pending or durable file): the
@@ -434,6 +436,15 @@ class Cache:
         if key is not None:
             # The record lists slots this change is about to overwrite.
             await self.journal.drop(key)
+
+    @staticmethod
+    def _content_here(f: CachedFile) -> None:
+        """A removed file written through a handle: if it was another node's
+        (REMOTE), its bytes were only on its holders, and a write here is a
+        full rewrite (a writable open of it truncates): its content is this
+        node's from here on, never read from its holders again."""
+        if f.role is FileRole.REMOTE:
+            f.role, f.base = FileRole.LOCAL, ChunkMap()
 
     def _fork(self, f: CachedFile) -> None:
         """Truncating a PENDING file to 0 (the next torch.save of the same name):
@@ -1194,6 +1205,7 @@ class Cache:
             elif size == 0 and f.lost:
                 if f.unlinked:  # a handle of the removed file rewrites it: nothing publishes it
                     f.unlinked_while_lost = False
+                    self._content_here(f)
                 else:
                     f.state, f.role = FileState.MODIFIED, FileRole.LOCAL
                 f.lost_reason, f.base = "", ChunkMap()

@@ -1003,13 +1003,19 @@ class FileSystem:
         f = handle.file
         assert f is not None
         try:
-            for _ in range(HOLDERS_FAILED_TRIES):
+            for attempt in range(HOLDERS_FAILED_TRIES):
                 try:
                     # A view of the arena where possible: returned straight to the reply.
                     return await self.cache.read(f, off, size, view_ok=True)
                 except HoldersFailed as failed:
-                    await self._after_holders_failed(f, failed)
-            raise FsError(errno.EIO, f"{f.path}: changed on other nodes while it was read")
+                    last = attempt == HOLDERS_FAILED_TRIES - 1
+                    await self._after_holders_failed(f, failed, settle=last)
+            try:
+                return await self.cache.read(f, off, size, view_ok=True)
+            except HoldersFailed as failed:
+                raise FsError(
+                    errno.EIO, f"{f.path}: changed here while it was read ({failed.reason})"
+                ) from None
         except FileLost as exc:
             log.error("read of %s failed: %s", f.path, exc.strerror)
             raise FsError(errno.EIO, exc.strerror, logged=True) from None
@@ -1020,7 +1026,9 @@ class FileSystem:
         except OSError as exc:
             raise FsError(errno.EIO, f"{f.path}: {exc}") from None
 
-    async def _after_holders_failed(self, f: CachedFile, failed: HoldersFailed) -> None:
+    async def _after_holders_failed(
+        self, f: CachedFile, failed: HoldersFailed, *, settle: bool = False
+    ) -> None:
         """No holder served bytes of ``f``, a version pending on other nodes:
         why, by its manifest now. Returns if the read may try again: ``f`` was
         published as durable meanwhile (its writer's umount or flush, a
@@ -1030,22 +1038,13 @@ class FileSystem:
         loaded here): the holders drop a version nobody there has open, and
         NFS answers a reader of a file that another client removed the same
         way. Raises FileLost (the file LOST here) if the manifest still names
-        that pending version: its holders are gone."""
+        that pending version: its holders are gone. With ``settle`` (the
+        last try) no rename or unlink runs here meanwhile, so it decides."""
         if f.unlinked:
             raise self._stale(f, failed, "it was replaced or removed here meanwhile")
-        path, generation = f.path, self.ns_lock.generation
-        try:
-            entry: Entry | None = await self.backing.entry(path)
-        except (FileNotFoundError, NotADirectoryError):
-            entry = None
-        except Interrupted:
-            raise
-        except OSError as exc:  # neither holders nor the store can tell: not a loss yet
-            raise FsError(
-                errno.EIO,
-                f"{path}: no holder served it ({failed.reason}), and its manifest "
-                f"could not be read: {exc}",
-            ) from exc
+        async with self.ns_lock.reading() if settle else contextlib.nullcontext():
+            path, generation = f.path, self.ns_lock.generation
+            entry = await self._entry_or_none(path, failed)
         if f.unlinked or self.cache.files.get(f.file_id) is not f:
             raise self._stale(f, failed, "a newer version was loaded here meanwhile")
         if (
@@ -1073,6 +1072,22 @@ class FileSystem:
         # version is loaded here (its handles still ask its holders).
         self.cache.unlink(f)
         raise self._stale(f, failed, f"its name holds {now} now")
+
+    async def _entry_or_none(self, path: str, failed: HoldersFailed) -> Entry | None:
+        """The entry at ``path`` (None: nothing there), for a read whose
+        holders failed; EIO if the store cannot tell either (not a loss yet)."""
+        try:
+            return await self.backing.entry(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except Interrupted:
+            raise
+        except OSError as exc:
+            raise FsError(
+                errno.EIO,
+                f"{path}: no holder served it ({failed.reason}), and its manifest "
+                f"could not be read: {exc}",
+            ) from exc
 
     @staticmethod
     def _stale(f: CachedFile, failed: HoldersFailed, why: str) -> FsError:

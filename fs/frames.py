@@ -336,9 +336,8 @@ class FrameCache:
     def _read_on(self, frame: Frame, deadline: float, what: str) -> None:
         """Its reader was interrupted or cancelled: the frame waits for the
         read (READING_ON) until ``deadline`` (trio clock), if there is a
-        nursery for that timer, and it is not being cancelled (the cache is
-        closing, as its timer would be: the frame fails now)."""
-        if self.nursery is None or self.nursery.cancel_scope.cancel_called:
+        nursery for that timer."""
+        if self.nursery is None:
             return
         try:
             self.nursery.start_soon(self._expire, frame, deadline, what)
@@ -348,12 +347,18 @@ class FrameCache:
 
     async def _expire(self, frame: Frame, deadline: float, what: str) -> None:
         """A READING_ON frame whose read outlives the deadline its reader's
-        wait had fails then, as that wait would have (the store is down)."""
-        with frame.expiry:
-            await trio.sleep_until(deadline)
-            if frame.state is FrameState.READING_ON:
-                self.failed += 1
-                self._fail(frame, self.io.timed_out(f"read chunk of {what}"))
+        wait had fails then, as that wait would have (the store is down).
+        If the timer itself is cancelled (the cache is closing), it fails at
+        once: nothing would end a wait for it."""
+        try:
+            with frame.expiry:
+                await trio.sleep_until(deadline)
+                if frame.state is FrameState.READING_ON:
+                    self.failed += 1
+                    self._fail(frame, self.io.timed_out(f"read chunk of {what}"))
+        finally:
+            if frame.state is FrameState.READING_ON and not frame.expiry.cancel_called:
+                self._fail(frame, Interrupted(f"read chunk of {what}"))
 
     def _ready(self, frame: Frame) -> None:
         """The frame's fill succeeded: readable, and its waiters read it."""

@@ -147,6 +147,33 @@ def test_an_interrupted_fill_or_wait_ends_at_once_and_the_read_goes_on_for_the_o
     trio.run(main)
 
 
+def test_a_read_left_running_lets_go_of_its_frame_when_the_cache_closes(tmp_path: Path) -> None:
+    """A read whose reader was interrupted goes on, holding its frame until
+    its deadline; if the cache's background nursery (the deadline's timer)
+    is cancelled first, the frame fails at once and its waiters fill it
+    themselves, rather than wait for a store that may never answer."""
+    n = Node(tmp_path, [MiB])
+    store, frames = n.store, n.frames
+
+    async def main() -> None:
+        async with trio.open_nursery() as readers:
+            async with trio.open_nursery() as background:
+                frames.nursery = background  # as the cache's background nursery
+                await readers.start(n.read, "first")
+                await until(lambda: store.reads_started == 1, "the first reader's fill")
+                await readers.start(n.read, "patient")
+                await until(lambda: frames.waits == 1, "a reader waiting for the fill")
+                assert await n.interrupt("first") == "interrupted"
+                assert frames.stats()["chunk_reads_left_running"] == 1
+                background.cancel_scope.cancel()
+            assert frames.stats()["chunk_reads_left_running"] == 0
+            await until(lambda: store.reads_started == 2, "the waiting reader's own fill")
+            store.gate.set()
+        assert n.outcome["patient"] == n.data[0]
+
+    trio.run(main)
+
+
 def test_a_read_interrupted_while_it_waits_for_a_thread_gives_its_slots_back_at_once(
     tmp_path: Path,
 ) -> None:

@@ -246,3 +246,31 @@ def test_a_reader_goes_on_from_the_store_once_the_writer_node_unmounted(mounts, 
     finally:
         os.close(fd)
     assert n2.stat()["lost"] == []
+
+
+def test_a_removed_file_of_another_node_rewritten_through_a_handle_reads_what_was_written(
+    mounts, tmp_path
+):
+    """n2 removes a file pending on n1 while n2 has it open, then rewrites it
+    through that handle (/proc/self/fd, O_TRUNC): its bytes are n2's from
+    then on and must read back as written, not as the old version's from
+    its holder (a second reader found that a removed file of another node
+    still read from its holders after such a rewrite)."""
+    n1, n2 = _slow_writer_and_reader(mounts, tmp_path)
+    old, new = os.urandom(2 * MiB), os.urandom(MiB + 7)
+    (n1.mnt / "x.pt").write_bytes(old)
+    fd = os.open(n2.mnt / "x.pt", os.O_RDONLY | os.O_DIRECT)
+    try:
+        assert os.pread(fd, MiB, 0) == old[:MiB]
+        os.unlink(n2.mnt / "x.pt")
+        wfd = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_TRUNC | os.O_DIRECT)
+        try:
+            assert os.write(wfd, new) == len(new)
+            assert os.pread(wfd, 2 * MiB, 0) == new
+        finally:
+            os.close(wfd)
+        assert os.pread(fd, 2 * MiB, 0) == new
+    finally:
+        os.close(fd)
+    n1.kill()  # its files are not durable (the bandwidth cap): no clean unmount
+    n2.allowed_log += lines_of_a_killed_peer("n1")

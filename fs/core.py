@@ -160,13 +160,15 @@ class Core:
     async def flush(self, prefix: str) -> int:
         """Queue persistence of what changed under ``prefix``; returns files queued."""
         count = 0
-        for f in self.fs.files_under(prefix):
-            if f.state is FileState.MODIFIED and not f.writers:
-                await self.fs.commit(f, only_closed=True)
-            if f.owes_flush:
-                self.flusher.enqueue(f)
-                count += 1
-        self.flusher.hurry()
+        try:
+            for f in self.fs.files_under(prefix):
+                if f.state is FileState.MODIFIED and not f.writers:
+                    await self.fs.commit(f, only_closed=True)
+                if f.owes_flush:
+                    self.flusher.enqueue(f)
+                    count += 1
+        finally:  # those queued before a commit failed are wanted too
+            self.flusher.hurry()
         return count
 
     def evict(self, prefix: str) -> tuple[int, list[str]]:

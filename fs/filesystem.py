@@ -1040,6 +1040,8 @@ class FileSystem:
         way. Raises FileLost (the file LOST here) if the manifest still names
         that pending version: its holders are gone. With ``settle`` (the
         last try) no rename or unlink runs here meanwhile, so it decides."""
+        if f.role is not FileRole.REMOTE:
+            return  # made durable, or rewritten here, while its holders were asked
         if f.unlinked:
             raise self._stale(f, failed, "it was replaced or removed here meanwhile")
         async with self.ns_lock.reading() if settle else contextlib.nullcontext():

@@ -1003,19 +1003,7 @@ class FileSystem:
         f = handle.file
         assert f is not None
         try:
-            for attempt in range(HOLDERS_FAILED_TRIES):
-                try:
-                    # A view of the arena where possible: returned straight to the reply.
-                    return await self.cache.read(f, off, size, view_ok=True)
-                except HoldersFailed as failed:
-                    last = attempt == HOLDERS_FAILED_TRIES - 1
-                    await self._after_holders_failed(f, failed, settle=last)
-            try:
-                return await self.cache.read(f, off, size, view_ok=True)
-            except HoldersFailed as failed:
-                raise FsError(
-                    errno.EIO, f"{f.path}: changed here while it was read ({failed.reason})"
-                ) from None
+            return await self._read_cached(f, off, size)
         except FileLost as exc:
             log.error("read of %s failed: %s", f.path, exc.strerror)
             raise FsError(errno.EIO, exc.strerror, logged=True) from None
@@ -1025,6 +1013,22 @@ class FileSystem:
             raise  # the caller's Ctrl-C (EINTR); ESTALE: not a failure of the store
         except OSError as exc:
             raise FsError(errno.EIO, f"{f.path}: {exc}") from None
+
+    async def _read_cached(self, f: CachedFile, off: int, size: int) -> bytes | memoryview:
+        """The bytes, a view of the arena where possible (returned straight to
+        the reply). A read whose holders failed looks at the manifest and
+        tries again; the last look holds off renames, so it decides."""
+        tries = 0
+        while True:
+            try:
+                return await self.cache.read(f, off, size, view_ok=True)
+            except HoldersFailed as failed:
+                if tries == HOLDERS_FAILED_TRIES:
+                    raise FsError(
+                        errno.EIO, f"{f.path}: changed here while it was read ({failed.reason})"
+                    ) from None
+                tries += 1
+                await self._after_holders_failed(f, failed, settle=tries == HOLDERS_FAILED_TRIES)
 
     async def _after_holders_failed(
         self, f: CachedFile, failed: HoldersFailed, *, settle: bool = False

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -180,7 +180,7 @@ class Flusher:
         # durable whenever they are queued again (awaited).
         self._hurried_at = -math.inf
         self._hurry = trio.Event()
-        self._awaited: dict[CachedFile, int] = {}
+        self._awaited: Counter[CachedFile] = Counter()
         self.active: set[CachedFile] = set()
         # Counters for `stat`.
         self.bytes_stored = 0
@@ -215,17 +215,13 @@ class Flusher:
     def awaited(self, files: list[CachedFile]) -> Iterator[None]:
         """While this is held, ``files`` skip the settle each time they are
         queued (a file changed during its flush is queued again)."""
-        for f in files:
-            self._awaited[f] = self._awaited.get(f, 0) + 1
+        self._awaited.update(files)
         self.hurry()
         try:
             yield
         finally:
-            for f in files:
-                if self._awaited[f] == 1:
-                    del self._awaited[f]
-                else:
-                    self._awaited[f] -= 1
+            self._awaited.subtract(files)
+            self._awaited = +self._awaited  # without the files no drain awaits any more
 
     async def _settled(self, f: CachedFile, queued_at: float) -> None:
         if queued_at <= self._hurried_at or f in self._awaited:

@@ -40,7 +40,7 @@ from .journal import Journal, chunks_of
 from .manifest import Chunk, Manifest, new_id
 from .readahead import ReadAhead
 from .readsource import RangeReader
-from .remoteread import RemoteReader
+from .remoteread import RemoteReader, WriterMovedOn
 from .state import FileRole, FileState, MirrorState, PageState
 
 log = logging.getLogger("ckptfs.cache")
@@ -75,10 +75,12 @@ class HoldersFailed(OSError):
     replaced or removed it): only its manifest tells, which the caller reads
     (Filesystem.read), then :meth:`Cache.declare_lost` if it is lost."""
 
-    def __init__(self, path: str, version: str, reason: str) -> None:
+    def __init__(self, path: str, version: str, reason: str, *, moved_on: bool = False) -> None:
         super().__init__(errno.EIO, f"{path}: {reason}")
         self.version = version
         self.reason = reason
+        # A holder said its writer is changing the file (WriterMovedOn).
+        self.moved_on = moved_on
 
 
 def _move_mirror(f: CachedFile, path: str) -> None:
@@ -217,6 +219,20 @@ class Cache:
             ):
                 return f
         return None
+
+    def changing(self, file_id: str) -> bool:
+        """Whether this node's content of ``file_id`` is being changed (its
+        writer here rewrites it in place, or the buddy's mirror of it takes
+        changed pages). Asked for a peer's read of a version ``held_version``
+        refused: that version's bytes are being overwritten and will not be
+        served again, so the reader answers ESTALE, not "lost"."""
+        return any(
+            f is not None
+            and f.file_id == file_id
+            and f.role is not FileRole.REMOTE
+            and f.state in (FileState.MODIFIED, FileState.PUBLISHING)
+            for f in [self.files.get(file_id), *self.mirrors.values()]
+        )
 
     def _register(self, f: CachedFile) -> None:
         old = self.files.get(f.file_id)
@@ -1079,6 +1095,8 @@ class Cache:
             )
         except Interrupted:
             raise  # the caller's stop signal, not a holder's failure
+        except WriterMovedOn as exc:
+            raise HoldersFailed(f.path, version, str(exc), moved_on=True) from None
         except OSError as exc:
             raise HoldersFailed(f.path, version, str(exc)) from None
 

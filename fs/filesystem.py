@@ -1041,8 +1041,11 @@ class FileSystem:
         on (another version or another file at its name, or a newer version
         loaded here): the holders drop a version nobody there has open, and
         NFS answers a reader of a file that another client removed the same
-        way. Raises FileLost (the file LOST here) if the manifest still names
-        that pending version: its holders are gone. With ``settle`` (the
+        way, and also while the manifest still names that pending version if
+        a holder said its writer is changing the file (in place: the next
+        close publishes a new version). Raises FileLost (the file LOST here)
+        if the manifest still names that pending version otherwise: its
+        holders are gone. With ``settle`` (the
         last try) no rename or unlink runs here meanwhile, so it decides."""
         if f.role is not FileRole.REMOTE:
             return  # made durable, or rewritten here, while its holders were asked
@@ -1062,6 +1065,10 @@ class FileSystem:
             return  # made durable by another open, renamed or relinked meanwhile: again
         m = entry.manifest if entry is not None else None
         if m is not None and (m.file_id, m.version) == (f.file_id, f.version):
+            if m.state != "durable" and failed.moved_on:
+                # Its writer is changing it in place (r+b, a truncate above 0):
+                # its next close publishes what an open here will read.
+                raise self._stale(f, failed, "its writer is changing it")
             if m.state != "durable":
                 raise self.cache.declare_lost(f, failed)
             assert entry is not None

@@ -45,6 +45,13 @@ AHEAD = 4  # blocks in flight ahead of a sequential reader
 MAX_BYTES = 64 << 20
 
 
+class WriterMovedOn(OSError):
+    """Raised by a fetch: no holder served the range, and one of them said
+    that its content of the file moved past the version asked for (its
+    writer is changing it in place). That version is gone for good, by its
+    writer's doing: not a loss."""
+
+
 class BlockState(enum.Enum):
     FETCHING = "fetching"  # a fetch fills it (or is about to)
     READY = "ready"  # data holds the verified bytes

@@ -18,6 +18,7 @@ from typing import Any
 
 import trio
 import xxhash
+from ckptfs.fs.remoteread import WriterMovedOn
 
 from .dialer import Dialer
 from .transport import PeerClient, Request, Response
@@ -26,11 +27,15 @@ from .wire import PeerError
 log = logging.getLogger("ckptfs.peer.reads")
 
 READ = "read"  # the request type
+MOVED_ON = "moved_on"  # in a refusal's meta: the holder's content moved past that version
 MAX_READ = 8 << 20  # bytes per request: bounded by the transport's payload limit
 
 # (file_id, version, offset, length, buffer to copy into or None) -> the
 # bytes, or None if not held here.
 LocalRead = Callable[[str, str, int, int, bytearray | None], Awaitable[bytes | memoryview | None]]
+# file_id -> whether this node's content of that file is being changed (see
+# Cache.changing): a version it refused it will never serve again.
+Changing = Callable[[str], bool]
 # Reply buffers kept for reuse: a fresh multi-MiB buffer per range costs more
 # in first-touch page faults (on this VM) than copying the range into it.
 POOL_BYTES = 32 << 20
@@ -40,6 +45,12 @@ class PeerReadError(OSError):
     """No holder could serve the range."""
 
 
+class HolderMovedOn(PeerReadError, WriterMovedOn):
+    """No holder served the range, and one of them answered that its content
+    of the file has moved past that version (its writer is changing it):
+    the version is gone for good, which is not a loss."""
+
+
 def range_hash(data: bytes | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
@@ -47,8 +58,9 @@ def range_hash(data: bytes | memoryview) -> str:
 class ReadServer:
     """Answers ``read`` requests from the local cache."""
 
-    def __init__(self, local_read: LocalRead) -> None:
+    def __init__(self, local_read: LocalRead, changing: Changing | None = None) -> None:
         self.local_read = local_read
+        self.changing = changing or (lambda _file_id: False)
         self.ranges_served = 0
         self.bytes_served = 0
         self._pool: dict[int, list[bytearray]] = {}  # free reply buffers by size
@@ -83,6 +95,11 @@ class ReadServer:
             return Response.fail(f"cannot read {file_id}@{version}: {exc}")
         if data is None:
             self._give_back(buffer)
+            if self.changing(file_id):
+                return Response.fail(
+                    f"{file_id}@{version} is not held here: its writer here is changing it",
+                    meta={MOVED_ON: True},
+                )
             return Response.fail(f"{file_id}@{version} is not held here")
         self.ranges_served += 1
         self.bytes_served += len(data)
@@ -91,6 +108,14 @@ class ReadServer:
             payload=data,
             release=lambda: self._give_back(buffer),  # once the reply is sent
         )
+
+
+class _Refused(PeerError):
+    """A holder's error answer to a read (``moved_on``: see MOVED_ON)."""
+
+    def __init__(self, error: str, *, moved_on: bool) -> None:
+        super().__init__(error)
+        self.moved_on = moved_on
 
 
 class PeerFetcher:
@@ -151,18 +176,24 @@ class PeerFetcher:
         into: bytearray | None = None,
     ) -> memoryview:
         tried: list[str] = []
+        moved_on = False
         # Live holders first; a holder thought dead is still worth one try.
         for name in sorted(holders, key=lambda h: not self.is_alive(h)):
             if name not in self.addresses:
                 continue
             try:
                 return await self._from(name, file_id, version, offset, length, into)
+            except _Refused as exc:
+                moved_on = moved_on or exc.moved_on
+                self.failures += 1
+                tried.append(f"{name}: {exc}")  # an answer: the connection is fine
             except (PeerError, OSError, trio.TooSlowError) as exc:
                 self.failures += 1
                 tried.append(f"{name}: {exc}")
                 await self.dialer.forget(name)
         reason = "; ".join(tried) or f"no reachable holder among {', '.join(holders) or 'none'}"
-        raise PeerReadError(f"no holder served {file_id}@{version} at {offset}: {reason}")
+        failure = HolderMovedOn if moved_on else PeerReadError
+        raise failure(f"no holder served {file_id}@{version} at {offset}: {reason}")
 
     async def _from(
         self,
@@ -180,7 +211,9 @@ class PeerFetcher:
             "offset": offset,
             "length": length,
         }
-        response = (await conn.request(READ, meta, into=into, timeout=self.timeout)).check()
+        response = await conn.request(READ, meta, into=into, timeout=self.timeout)
+        if response.error is not None:
+            raise _Refused(response.error, moved_on=response.meta.get(MOVED_ON) is True)
         data = response.payload  # a buffer of its own, received once: no copy
         if len(data) != response.meta.get("length") or range_hash(data) != response.meta.get(
             "hash"

@@ -24,6 +24,7 @@ from ckptfs.fs.journal import Journal, record_of
 from ckptfs.fs.manifest import MAGIC, Chunk, Manifest, new_id, read_manifest, write_manifest
 from ckptfs.fs.state import FileRole, FileState, MirrorState, PageState, Published
 from ckptfs.peer.mirror import COMMIT, PAGE, MirrorClient, MirrorServer, page_digest
+from ckptfs.peer.reads import MOVED_ON, READ, ReadServer
 from ckptfs.peer.transport import Request, Response
 
 MiB = 1 << 20
@@ -205,6 +206,42 @@ def test_a_mirror_serves_a_version_only_once_its_page_table_matches(tmp_path: Pa
         assert await cache.mirror_page("n1", "m2", "f2", 0, 1, memoryview(page1), timeout=1)
         assert not cache.take_over(cache.mirrors["m2"]) and "m2" not in cache.mirrors
         assert cache.mirror_slots == 2
+
+    trio.run(main)
+
+
+def test_a_holder_whose_content_is_being_changed_says_so_to_a_reader(tmp_path: Path):
+    """A peer's read of a version the node no longer holds as-is because its
+    content is being changed (here a buddy's mirror taking a changed page)
+    is refused with MOVED_ON: the reader answers ESTALE rather than calling
+    the file lost. A version it simply does not hold is refused without."""
+
+    async def main() -> None:
+        cache = make_cache(tmp_path)
+
+        async def local_read(file_id, version, off, n, into):
+            return await cache.read_held(file_id, version, off, n, into=into)
+
+        server = ReadServer(local_read, cache.changing)
+
+        async def ask(file_id: str) -> Response:
+            meta = {"file_id": file_id, "version": "v1", "offset": 0, "length": 100}
+            return await server.handle("n3", Request(READ, meta, b""))
+
+        page = os.urandom(1000)
+        assert await cache.mirror_page("n1", "m1", "f1", 0, 5, memoryview(page), timeout=1)
+        m = Manifest("f1", "v1", 1000, 0o644, 1, "pending", ["n1", "n2"])
+        assert cache.mirror_commit("n1", "m1", m, "a.pt", 0, 0, {0: (5, 1000)}, {},
+                                   ChunkMap(), 5) == []  # fmt: skip
+        served = await ask("f1")
+        assert served.error is None and bytes(served.payload) == page[:100]
+        assert not cache.changing("f1")
+        assert await cache.mirror_page("n1", "m1", "f1", 0, 6, memoryview(page[:10]), timeout=1)
+        assert cache.changing("f1")
+        refused = await ask("f1")
+        assert refused.error is not None and refused.meta == {MOVED_ON: True}
+        unknown = await ask("f9")
+        assert unknown.error is not None and MOVED_ON not in unknown.meta
 
     trio.run(main)
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -217,6 +219,73 @@ def test_a_file_changed_on_its_node_while_open_on_another_is_stale_there_not_los
         finally:
             os.close(fd)
         assert (n2.mnt / name).read_bytes() == new
+    assert n2.stat()["lost"] == []
+    n1.kill()  # its files are not durable (the bandwidth cap): no clean unmount
+    n2.allowed_log += lines_of_a_killed_peer("n1")
+
+
+# Changes a file in place (argv: path, offset, patch length, truncate size or
+# -1), says "changed", and keeps it open until a line arrives on stdin. In a
+# process of its own: a fork of the test process (every CLI call) would close
+# an inherited descriptor, and that close is a FLUSH that publishes the change.
+IN_PLACE_WRITER = """
+import os, sys
+path, off, n, size = sys.argv[1], *map(int, sys.argv[2:])
+fd = os.open(path, os.O_RDWR)
+if size >= 0:
+    os.ftruncate(fd, size)
+else:
+    os.pwrite(fd, sys.stdin.buffer.read(n), off)
+print("changed", flush=True)
+sys.stdin.readline()
+os.close(fd)
+"""
+
+
+@pytest.mark.parametrize("change", ["r+b", "truncate above 0"])
+def test_a_file_its_writer_changes_in_place_is_stale_elsewhere_not_lost(mounts, tmp_path, change):
+    """n2 has a file open that is pending on n1; a process on n1 opens it
+    for an in-place change (r+b, or a truncate to a size above 0 through
+    the handle) and keeps it open. n1 then serves no version of it, and the
+    manifest still names the old version as pending until that close. n2's
+    read of a block it has not fetched is ESTALE, as for a file replaced
+    elsewhere, never EIO with a false "is lost here" (before: EIO, an ERROR
+    line, and the file listed as lost). Once the writer closes, a new open
+    on n2 reads the changed file whole."""
+    n1, n2 = _slow_writer_and_reader(mounts, tmp_path)
+    old = os.urandom(40 * MiB + 7)
+    (n1.mnt / "ckpt.pt").write_bytes(old)
+    version = _version(n1, "ckpt.pt")
+    patch = os.urandom(3 * MiB + 5)
+    if change == "r+b":
+        args, new = [20 * MiB, len(patch), -1], old[: 20 * MiB] + patch + old[23 * MiB + 5 :]
+    else:
+        args, new = [0, 0, 38 * MiB], old[: 38 * MiB]
+    fd = os.open(n2.mnt / "ckpt.pt", os.O_RDONLY | os.O_DIRECT)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", IN_PLACE_WRITER, str(n1.mnt / "ckpt.pt"), *map(str, args)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert os.pread(fd, MiB, 0) == old[:MiB]
+        assert writer.stdin is not None and writer.stdout is not None
+        writer.stdin.write(patch if change == "r+b" else b"")
+        writer.stdin.flush()
+        assert writer.stdout.readline() == b"changed\n"
+        assert _version(n1, "ckpt.pt") == version  # not published before the close
+        with pytest.raises(OSError) as err:
+            os.pread(fd, MiB, 36 * MiB)  # beyond what n2 fetched ahead
+        assert err.value.errno == errno.ESTALE, err.value
+        assert n2.stat()["lost"] == []
+        writer.stdin.write(b"close\n")
+        writer.stdin.close()
+        assert writer.wait(timeout=60) == 0
+        assert _version(n1, "ckpt.pt") != version
+    finally:
+        os.close(fd)
+        writer.kill()
+        writer.wait(timeout=60)
+    assert (n2.mnt / "ckpt.pt").read_bytes() == new
     assert n2.stat()["lost"] == []
     n1.kill()  # its files are not durable (the bandwidth cap): no clean unmount
     n2.allowed_log += lines_of_a_killed_peer("n1")

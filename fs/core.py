@@ -157,19 +157,25 @@ class Core:
             **({"error": f"{len(failed)} file(s) not durable yet"} if failed else {}),
         }
 
-    async def flush(self, prefix: str) -> int:
-        """Queue persistence of what changed under ``prefix``; returns files queued."""
-        count = 0
+    async def flush(self, prefix: str) -> tuple[int, list[str]]:
+        """Queue persistence of what changed under ``prefix``: (files queued,
+        the files whose commit failed, each with its cause). A failed commit
+        (the store refusing one manifest) does not keep the rest from going."""
+        count, failed = 0, []
         try:
             for f in self.fs.files_under(prefix):
                 if f.state is FileState.MODIFIED and not f.writers:
-                    await self.fs.commit(f, only_closed=True)
+                    try:
+                        await self.fs.commit(f, only_closed=True)
+                    except OSError as exc:
+                        failed.append(f"{f.path} ({exc.strerror or exc})")
+                        continue
                 if f.owes_flush:
                     self.flusher.enqueue(f)
                     count += 1
-        finally:  # those queued before a commit failed are wanted too
+        finally:  # what was queued before a cancellation is wanted too
             self.flusher.hurry()
-        return count
+        return count, failed
 
     def evict(self, prefix: str) -> tuple[int, list[str]]:
         """Drop durable cached bytes under ``prefix``: (bytes freed, paths kept)."""

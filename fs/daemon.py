@@ -273,7 +273,13 @@ class Daemon:
         if req.get("wait"):
             timeout = req.get("timeout")
             return await self.core.drain(prefix, float(timeout) if timeout else None)
-        return {"ok": True, "files": await self.core.flush(prefix)}
+        queued, failed = await self.core.flush(prefix)
+        return {
+            "ok": not failed,
+            "files": queued,
+            "not_durable": failed,
+            **({"error": f"{len(failed)} file(s) could not be committed"} if failed else {}),
+        }
 
     async def _evict(self, req: dict[str, Any]) -> dict[str, Any]:
         freed, kept = self.core.evict(str(req.get("path", "")))

@@ -126,3 +126,47 @@ def test_a_flush_while_files_are_created_keeps_them(h: Harness, command: str) ->
     h.start()
     for name, data in saved.items():
         assert name_reads(h, name) == data, name
+
+
+def test_a_flush_goes_on_past_a_file_whose_commit_fails(h: Harness) -> None:
+    """Two closed files whose publish failed at their close (the store down)
+    wait for a retry. `ckptfs flush` then finds the store refusing one of
+    them only: it commits and queues the other and names the one that failed
+    with its cause (before, the first failure ended the command, and files
+    after it in the walk were left to the background retry)."""
+    core = h.core
+    assert core is not None
+    fs = core.fs
+    real_replace = fs.backing.replace_manifest
+    refused: set[str] = {"a.pt", "b.pt"}
+
+    async def store_refuses(rel: str, *args: Any, **kw: Any) -> Any:
+        if rel in refused:
+            raise OSError(5, f"the store refuses {rel}")
+        return await real_replace(rel, *args, **kw)
+
+    fs.backing.replace_manifest = store_refuses
+    data = {name: os.urandom(3 * 4096 + 7) for name in ("a.pt", "b.pt")}
+    for name, content in data.items():
+        fh, _ = h.call(fs.create, ROOT, name, 0o644, os.O_WRONLY, CALLER)
+        h.call(fs.write, fh, 0, content)
+        with pytest.raises(OSError):
+            h.call(fs.flush, fh)
+        with pytest.raises(OSError):
+            h.call(fs.release, fh)
+    files = {f.path: f for f in fs.files_under("")}
+    assert {p: f.state for p, f in files.items()} == {
+        "a.pt": FileState.MODIFIED,
+        "b.pt": FileState.MODIFIED,
+    }
+    refused.discard("b.pt")
+    queued, failed = h.call(core.flush, "")
+    assert queued == 1 and failed == ["a.pt (the store refuses a.pt)"]
+    assert files["a.pt"].state is FileState.MODIFIED
+    assert files["b.pt"].state in (FileState.PENDING, FileState.DURABLE)
+    fs.backing.replace_manifest = real_replace
+    h.call(core.drain, "", 60)
+    for name, content in data.items():
+        assert name_reads(h, name) == content
+        assert h.reassemble(h.manifests()[name]) == content
+    assert audit(core) == []

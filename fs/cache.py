@@ -220,17 +220,20 @@ class Cache:
                 return f
         return None
 
-    def changing(self, file_id: str) -> bool:
+    def changing(self, file_id: str, *, writer_alive: Callable[[str], bool]) -> bool:
         """Whether this node's content of ``file_id`` is being changed (its
-        writer here rewrites it in place, or the buddy's mirror of it takes
-        changed pages). Asked for a peer's read of a version ``held_version``
-        refused: that version's bytes are being overwritten and will not be
-        served again, so the reader answers ESTALE, not "lost"."""
+        writer here rewrites it in place, or a buddy's mirror of it takes
+        changed pages from a writer still alive). Asked for a peer's read of
+        a version ``held_version`` refused: that version's bytes are being
+        overwritten and will not be served again, so the reader answers
+        ESTALE, not "lost". A mirror whose writer died mid-change is not
+        "changing": that version is lost (the takeover drops the mirror)."""
         return any(
             f is not None
             and f.file_id == file_id
             and f.role is not FileRole.REMOTE
             and f.state in (FileState.MODIFIED, FileState.PUBLISHING)
+            and (f.role is not FileRole.MIRROR or writer_alive(f.origin))
             for f in [self.files.get(file_id), *self.mirrors.values()]
         )
 

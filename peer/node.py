@@ -47,7 +47,9 @@ class PeerNode:
         self.membership = Membership(
             config, ssl_context=self._client_tls, on_alive=self._alive, on_dead=self._dead
         )
-        self.reads = ReadServer(local_read, cache.changing)
+        self.reads = ReadServer(
+            local_read, partial(cache.changing, writer_alive=self.membership.is_alive)
+        )
         self.fetcher: PeerFetcher | None = None  # once running
         self.mirror_client: MirrorClient | None = None  # once running, with mirror_writes
         self.mirror_server = MirrorServer(

@@ -213,8 +213,9 @@ def test_a_mirror_serves_a_version_only_once_its_page_table_matches(tmp_path: Pa
 def test_a_holder_whose_content_is_being_changed_says_so_to_a_reader(tmp_path: Path):
     """A peer's read of a version the node no longer holds as-is because its
     content is being changed (here a buddy's mirror taking a changed page)
-    is refused with MOVED_ON: the reader answers ESTALE rather than calling
-    the file lost. A version it simply does not hold is refused without."""
+    is refused with MOVED_ON (its reader then answers ESTALE rather than
+    calling the file lost). A version it simply does not hold, or whose
+    writer died mid-change, is refused without."""
 
     async def main() -> None:
         cache = make_cache(tmp_path)
@@ -222,7 +223,8 @@ def test_a_holder_whose_content_is_being_changed_says_so_to_a_reader(tmp_path: P
         async def local_read(file_id, version, off, n, into):
             return await cache.read_held(file_id, version, off, n, into=into)
 
-        server = ReadServer(local_read, cache.changing)
+        alive = {"n1"}
+        server = ReadServer(local_read, partial(cache.changing, writer_alive=alive.__contains__))
 
         async def ask(file_id: str) -> Response:
             meta = {"file_id": file_id, "version": "v1", "offset": 0, "length": 100}
@@ -235,13 +237,16 @@ def test_a_holder_whose_content_is_being_changed_says_so_to_a_reader(tmp_path: P
                                    ChunkMap(), 5) == []  # fmt: skip
         served = await ask("f1")
         assert served.error is None and bytes(served.payload) == page[:100]
-        assert not cache.changing("f1")
+        assert (await ask("f1")).error is None  # served: not changing
         assert await cache.mirror_page("n1", "m1", "f1", 0, 6, memoryview(page[:10]), timeout=1)
-        assert cache.changing("f1")
         refused = await ask("f1")
         assert refused.error is not None and refused.meta == {MOVED_ON: True}
         unknown = await ask("f9")
         assert unknown.error is not None and MOVED_ON not in unknown.meta
+        # Its writer died mid-change: the version is lost, not being changed.
+        alive.clear()
+        lost = await ask("f1")
+        assert lost.error is not None and MOVED_ON not in lost.meta
 
     trio.run(main)
 

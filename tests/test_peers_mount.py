@@ -224,14 +224,16 @@ def test_a_file_changed_on_its_node_while_open_on_another_is_stale_there_not_los
     n2.allowed_log += lines_of_a_killed_peer("n1")
 
 
-# Changes a file in place (argv: path, offset, patch length, truncate size or
-# -1), says "changed", and keeps it open until a line arrives on stdin. In a
+# Opens a file for an in-place change (argv: path, offset, patch length,
+# truncate size or -1), changes it once a line ("go") and the patch arrive on
+# stdin, says "changed", and keeps it open until another line arrives. In a
 # process of its own: a fork of the test process (every CLI call) would close
 # an inherited descriptor, and that close is a FLUSH that publishes the change.
 IN_PLACE_WRITER = """
 import os, sys
 path, off, n, size = sys.argv[1], *map(int, sys.argv[2:])
 fd = os.open(path, os.O_RDWR)
+sys.stdin.buffer.readline()
 if size >= 0:
     os.ftruncate(fd, size)
 else:
@@ -269,7 +271,7 @@ def test_a_file_its_writer_changes_in_place_is_stale_elsewhere_not_lost(mounts, 
     try:
         assert os.pread(fd, MiB, 0) == old[:MiB]
         assert writer.stdin is not None and writer.stdout is not None
-        writer.stdin.write(patch if change == "r+b" else b"")
+        writer.stdin.write(b"go\n" + (patch if change == "r+b" else b""))
         writer.stdin.flush()
         assert writer.stdout.readline() == b"changed\n"
         assert _version(n1, "ckpt.pt") == version  # not published before the close

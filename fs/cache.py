@@ -1062,6 +1062,14 @@ class Cache:
             f.read_pattern.observe(off, end)  # the loop's next read-ahead continues this stream
         return views
 
+    def copy_in_ram(self, f: CachedFile, off: int, end: int) -> bytes | None:
+        """A copy of bytes [off, end) of ``f`` if every one is in RAM (or a
+        hole) now, else None. Not a read: no read pattern is observed."""
+        if f.lost or f.role is FileRole.REMOTE:
+            return None
+        views = self.reader.read_now(f, off, min(end, f.size), frames_ok=False)
+        return None if views is None else b"".join(views)
+
     async def read_held(
         self, file_id: str, version: str, off: int, size: int, *, into: bytearray | None = None
     ) -> bytes | memoryview | None:

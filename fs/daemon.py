@@ -30,6 +30,7 @@ from .cpulatency import BurstHold, CpuLatencyHold
 from .fusemount import MountFailed, mount, unmount
 from .fusesession import Session
 from .fusesession import describe as describe_session
+from .kernelpages import KernelPages
 from .operations import Operations
 from .preflight import mount_id, run_files
 from .state import FileState
@@ -109,6 +110,7 @@ class Daemon:
                         burst=self.burst_latency,
                         spin=self.config.request_spin,
                     )
+                    core.fs.kernel_pages = KernelPages(self.session.notify_store)
                     await nursery.start(control.serve, self.sock_path, self._routes(), self.owners)
                     nursery.start_soon(self._signals)
                     nursery.start_soon(set_read_ahead, self.mountpoint, self.config.read_ahead_kb)

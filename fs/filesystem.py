@@ -37,6 +37,7 @@ from .flusher import Flusher
 from .inodes import ROOT, Inode, InodeTable
 from .interrupts import Interrupted, interruptible
 from .journal import record_of
+from .kernelpages import KernelCache, KernelPages, pieces
 from .manifest import Manifest, new_id
 from .nslock import NamespaceLock
 from .state import FileRole, FileState, Published
@@ -194,6 +195,9 @@ class FileSystem:
         # one waits for the adoption, then acts on the adopted file.
         self._adopting: dict[int, trio.Event] = {}
         self.mirror: BuddyMirror | None = None  # set by the daemon at durability buddy
+        # Set by the daemon once the FUSE session exists: pushes a saved
+        # file's head and tail into the kernel's page cache at its close.
+        self.kernel_pages: KernelPages | None = None
         cache.unreference = self._unreference
 
     # ----- attributes -------------------------------------------------------
@@ -596,14 +600,18 @@ class FileSystem:
         fh = next(self._fh)
         self.handles[fh] = Handle(inode, f, writable=writable, uid=caller.uid, tid=caller.tid)
         inode.opens += 1
+        if inode.kernel_cache is KernelCache.EMPTY:
+            inode.kernel_cache = KernelCache.ANY  # this handle may let the kernel cache pages
         if f is not None:
             f.handles += 1
             f.writers += writable
         return fh
 
     async def create(
-        self, parent: int, name: str, mode: int, flags: int, caller: Caller
+        self, parent: int, name: str, mode: int, flags: int, caller: Caller, *, direct: bool = False
     ) -> tuple[int, Attr]:
+        """A new file and a writable handle of it (``direct``: its writes
+        bypass the kernel's page cache, so the inode has no page there)."""
         path = self.inodes.child_path(parent, name)
         f = self.cache.new_file(new_id(), new_id(), path, mode & 0o7777, caller.uid, caller.gid)
         # Registered (an open of the name may find it) and MODIFIED with no
@@ -628,6 +636,8 @@ class FileSystem:
         inode.kernel_version = f.version
         inode.nlookup += 1
         fh = self._open_handle(inode, f, writable=True, caller=caller)
+        if direct:
+            inode.kernel_cache = KernelCache.EMPTY
         return fh, self._attr(inode, None)
 
     def _manifest(
@@ -649,6 +659,8 @@ class FileSystem:
         """Open a file; returns (fh, whether the kernel may keep its cached pages)."""
         inode = self._inode(ino)
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        if writable:
+            await self._after_push(inode)
         if inode.kind == "file" and not writable:
             await self._after_rename_onto(inode, caller)
         if inode.kind == "plain" and not writable:
@@ -1129,6 +1141,7 @@ class FileSystem:
         f = handle.file
         if f is None or not handle.writable:
             raise FsError(errno.EBADF)
+        await self._after_push(handle.inode)
         if off + len(data) > MAX_FILE_SIZE:
             raise FsError(errno.EFBIG, f"{f.path}: beyond the maximum file size")
         if handle.uid != 0 and kills_privileges(f.mode):
@@ -1143,6 +1156,41 @@ class FileSystem:
         f = self._written_through(fh)
         if f is not None:
             await self.commit(f)
+            await self._push_pages(self.handles[fh].inode, f)
+
+    async def _push_pages(self, inode: Inode, f: CachedFile) -> None:
+        """A file saved here through one direct-I/O handle, now published: its
+        head and tail into the kernel's page cache, so that the first load
+        after the save reads them from there (kernelpages.py)."""
+        if (
+            self.kernel_pages is None
+            or inode.kernel_cache is not KernelCache.EMPTY
+            or inode.file is not f
+            or f.state not in (FileState.PENDING, FileState.DURABLE)
+        ):
+            return
+        ranges = []
+        for start, end in pieces(f.size):
+            # A copy: the slots may be reused (spilled) while the push runs.
+            data = self.cache.copy_in_ram(f, start, end)
+            if data is None:
+                return  # not all in RAM: no push
+            ranges.append((start, data))
+        # The publish made the inode's kernel_version this version: an open
+        # from now on keeps these pages, which are of it until the push ends.
+        inode.kernel_cache, inode.pushed = KernelCache.PUSHING, trio.Event()
+        try:
+            await self.kernel_pages.push(inode.ino, ranges)
+        finally:
+            inode.kernel_cache = KernelCache.ANY
+            inode.pushed.set()
+
+    @staticmethod
+    async def _after_push(inode: Inode) -> None:
+        """A change of the inode's content waits for a push of its pages:
+        the kernel must only ever get the bytes the file holds."""
+        if inode.kernel_cache is KernelCache.PUSHING and inode.pushed is not None:
+            await inode.pushed.wait()
 
     def flush_now(self, fh: int) -> bool:
         """Whether the close of ``fh`` has nothing to publish (a reader's)."""
@@ -1342,6 +1390,8 @@ class FileSystem:
 
     async def setattr(self, ino: int, change: SetAttr, caller: Caller) -> Attr:
         inode = self._inode(ino)
+        if change.size is not None:
+            await self._after_push(inode)
         if (adopting := self._adopting.get(ino)) is not None:
             # Not on the plain file it replaces: a changed mtime would make it
             # another file to the adoption's first publish.
@@ -1459,6 +1509,7 @@ class FileSystem:
             "inodes": len(self.inodes.by_ino),
             "opens_waited_for_rename": self.opens_waited_for_rename,
             "opens_sent_back": self.opens_sent_back,
+            "pages_pushed": self.kernel_pages.stats() if self.kernel_pages else {},
         }
 
 

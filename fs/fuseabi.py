@@ -132,6 +132,9 @@ FORGET_ONE = struct.Struct("<QQ")  # nodeid nlookup
 SETATTR_IN = struct.Struct("<IIQQQqqqIIIIIIII")  # fuse_setattr_in (signed times)
 KSTATFS = struct.Struct("<QQQQQIIII24x")  # fuse_kstatfs
 DIRENT = struct.Struct("<QQII")  # ino off namelen type (then the name)
+# A notification is an out header with unique 0 and its code in the error field.
+NOTIFY_STORE = 4
+NOTIFY_STORE_OUT = struct.Struct("<QQII")  # nodeid offset size padding (then the bytes)
 assert (IN_HEADER.size, OUT_HEADER.size, ATTR.size) == (40, 16, 88)
 assert (ENTRY_OUT.size, ATTR_OUT.size, INIT_OUT.size, SETATTR_IN.size) == (128, 104, 64, 88)
 assert (READ_IN.size, WRITE_IN.size, KSTATFS.size) == (40, 40, 80)

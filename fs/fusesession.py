@@ -836,6 +836,23 @@ class Session:
             if exc.errno not in (errno.ENOENT, errno.ENODEV):
                 log.error("reply to %s of inode %d failed: %s", _name(req.op), req.nodeid, exc)
 
+    def notify_store(self, nodeid: int, offset: int, data: bytes) -> bool:
+        """Put ``data`` into the kernel's page cache of ``nodeid`` at ``offset``
+        (FUSE_NOTIFY_STORE); whether it took them. Blocking: the kernel waits
+        for each page's lock, held by a READ of it in flight, so never call it
+        from a thread that answers requests (kernelpages.py)."""
+        size = OUT_HEADER_SIZE + abi.NOTIFY_STORE_OUT.size + len(data)
+        head = OUT_HEADER_PACK(size, abi.NOTIFY_STORE, 0)
+        where = abi.NOTIFY_STORE_OUT.pack(nodeid, offset, len(data), 0)
+        try:
+            os.writev(self.fd, [head, where, data])
+        except OSError as exc:
+            # ENOENT: the kernel forgot the inode; ENODEV, EBADF: the mount is gone.
+            if exc.errno not in (errno.ENOENT, errno.ENODEV, errno.EBADF):
+                log.warning("pages of inode %d not put in the page cache: %s", nodeid, exc)
+            return False
+        return True
+
     def _init(self, req: Request) -> None:
         major, minor, max_readahead, flags = abi.INIT_IN.unpack_from(req.body)
         if major != abi.KERNEL_MAJOR:
@@ -855,11 +872,18 @@ class Session:
         # kill by UnkillableStepTimeout). Without it the caller's own
         # request gets INTERRUPT like any other (test_interrupts), for
         # about 5-10% of O_DIRECT read throughput from RAM
-        # (docs/PERFORMANCE.md).
+        # (docs/PERFORMANCE.md). And not AUTO_INVAL_DATA: with it a getattr
+        # reply whose mtime differs from the kernel's drops every cached page
+        # of the inode, and the first stat after a save always does (the
+        # kernel keeps the mtime of the create until then), which would drop
+        # the pages pushed at the save's close (kernelpages.py). What it
+        # guards is covered otherwise: an open keeps the cache only if it
+        # holds the version opened (Filesystem._kernel_may_keep), a direct
+        # write drops the pages it overwrites, and a size change still
+        # drops them.
         want = (
             abi.ASYNC_READ
             | abi.PARALLEL_DIROPS
-            | abi.AUTO_INVAL_DATA
             | abi.HANDLE_KILLPRIV
             | abi.HAS_IOCTL_DIR
             | abi.ATOMIC_O_TRUNC

@@ -22,8 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import trio
+
 from .cachedfile import CachedFile
 from .fuseabi import ROOT_ID as ROOT
+from .kernelpages import KernelCache
 
 if TYPE_CHECKING:
     from .backing import Entry
@@ -41,6 +44,8 @@ class Inode:
     unlinked: bool = False
     file: CachedFile | None = None
     kernel_version: str | None = None  # the version the kernel's page cache holds
+    kernel_cache: KernelCache = KernelCache.ANY  # what it may hold (kernelpages.py)
+    pushed: trio.Event | None = None  # set when a push (PUSHING) ends
     # A directory's last backing-store attributes and when they were read:
     # the kernel asks again after every create in it (it invalidates the
     # parent), and a round trip per create halves small-file throughput.

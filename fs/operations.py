@@ -260,9 +260,13 @@ class Operations:
             # Nothing to do at close for a reader: the kernel skips the FLUSH
             # (ignored with the writeback cache, which must flush its pages).
             out |= abi.FOPEN_NOFLUSH
-        elif self.direct_writes and (flags & os.O_ACCMODE) == os.O_WRONLY:
+        elif self._direct(flags):
             out |= abi.FOPEN_DIRECT_IO
         return out
+
+    def _direct(self, flags: int) -> bool:
+        """Whether a writer's handle bypasses the page cache (FOPEN_DIRECT_IO)."""
+        return self.direct_writes and (flags & os.O_ACCMODE) == os.O_WRONLY
 
     # ----- names and attributes -------------------------------------------------------------
     @handler
@@ -424,7 +428,9 @@ class Operations:
     async def create(self, req: Request) -> Reply:
         flags, mode, _, _ = abi.CREATE_IN.unpack_from(req.body)
         name = _one_name(req, abi.CREATE_IN.size)
-        fh, attr = await self.fs.create(req.nodeid, name, mode, flags, _caller(req))
+        fh, attr = await self.fs.create(
+            req.nodeid, name, mode, flags, _caller(req), direct=self._direct(flags)
+        )
         # Its handle writes whatever the flags (the file is new): close must
         # send the FLUSH that commits it, even after O_CREAT | O_RDONLY.
         return [entry(attr), abi.open_out(fh, self._open_flags(flags, True, writes=True))]

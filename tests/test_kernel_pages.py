@@ -1,0 +1,210 @@
+"""A saved file's head and tail put into the kernel's page cache at its close
+(fs/kernelpages.py): what is pushed, when it is not, that changes wait for a
+push, and that every read through the mount afterwards is the file's bytes."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import random
+import threading
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+
+import pytest
+import trio
+from ckptfs.fs.filesystem import Caller, SetAttr
+from ckptfs.fs.inodes import ROOT
+from ckptfs.fs.kernelpages import HEAD, TAIL, KernelCache, KernelPages, pieces
+from conftest import Mount
+from lifecycle_harness import Harness
+
+MiB = 1 << 20
+PAGE = mmap.PAGESIZE
+CALLER = Caller(0, 0)
+
+
+def test_the_pieces_are_the_head_and_a_page_aligned_tail():
+    assert pieces(0) == []
+    assert pieces(100) == [(0, 100)]
+    assert pieces(HEAD + 10) == [(0, HEAD), (HEAD, HEAD + 10)]
+    size = 5 * MiB + 123
+    assert pieces(size) == [(0, HEAD), ((size - TAIL) // PAGE * PAGE, size)]
+
+
+# ----- without FUSE: the push and what waits for it ---------------------------------------
+
+
+@pytest.fixture
+def big(tmp_path: Path) -> Iterator[Harness]:
+    harness = Harness(tmp_path, cache_slots=256)  # 1 MiB of 4 KiB slots
+    harness.start()
+    yield harness
+    harness.close()
+
+
+class Kernel:
+    """Stands in for the FUSE device: records pushes, blocks them until let go."""
+
+    def __init__(self) -> None:
+        self.pushed: list[tuple[int, int, bytes]] = []
+        self.go = threading.Event()
+
+    def store(self, nodeid: int, offset: int, data: bytes) -> bool:
+        self.pushed.append((nodeid, offset, bytes(data)))
+        return self.go.wait(10)
+
+
+def test_a_push_holds_back_a_writable_open_and_a_truncate_until_it_ends(big: Harness):
+    fs = big.core.fs
+    kernel = Kernel()
+    fs.kernel_pages = KernelPages(kernel.store)
+    data = random.randbytes(HEAD + TAIL + 5 * PAGE + 17)
+    fh, attr = big.call(partial(fs.create, direct=True), ROOT, "a.pt", 0o644, os.O_WRONLY, CALLER)
+    inode = fs.inodes[attr.ino]
+    assert inode.kernel_cache is KernelCache.EMPTY
+    big.call(fs.write, fh, 0, data)
+    order: list[str] = []
+
+    async def scenario() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fs.flush, fh)
+            with trio.fail_after(10):
+                while not kernel.pushed:
+                    await trio.sleep(0.01)
+            assert inode.kernel_cache is KernelCache.PUSHING
+
+            async def change() -> None:
+                fh2, _ = await fs.open(attr.ino, os.O_RDWR, CALLER)
+                order.append("opened")
+                await fs.write(fh2, 0, b"changed")
+                await fs.release(fh2)
+
+            async def truncate() -> None:
+                await fs.setattr(attr.ino, SetAttr(size=HEAD), CALLER)
+                order.append("truncated")
+
+            nursery.start_soon(change)
+            nursery.start_soon(truncate)
+            await trio.sleep(0.05)
+            order.append("pushed")
+            kernel.go.set()
+
+    big.call(scenario)
+    assert order[0] == "pushed" and sorted(order[1:]) == ["opened", "truncated"]
+    tail = (len(data) - TAIL) // PAGE * PAGE
+    assert kernel.pushed == [(attr.ino, 0, data[:HEAD]), (attr.ino, tail, data[tail:])]
+    # The push ended before the change: the pages it put there were the file's.
+    assert fs.kernel_pages.stats() == {"files": 1, "bytes": HEAD + len(data) - tail, "refused": 0}
+    assert inode.kernel_cache is KernelCache.ANY
+    big.call(fs.release, fh)
+
+
+def test_no_push_once_another_handle_was_opened_or_without_direct_io(big: Harness):
+    fs = big.core.fs
+    kernel = Kernel()
+    kernel.go.set()
+    fs.kernel_pages = KernelPages(kernel.store)
+    data = random.randbytes(3 * PAGE)
+    # Another handle (a reader) may have let the kernel cache pages of it.
+    fh, attr = big.call(partial(fs.create, direct=True), ROOT, "a.pt", 0o644, os.O_WRONLY, CALLER)
+    big.call(fs.write, fh, 0, data)
+    reader, _ = big.call(fs.open, attr.ino, os.O_RDONLY, CALLER)
+    big.call(fs.flush, fh)
+    # A writer through the page cache (O_RDWR) fills it itself.
+    fh2, _ = big.call(fs.create, ROOT, "b.pt", 0o644, os.O_RDWR, CALLER)
+    big.call(fs.write, fh2, 0, data)
+    big.call(fs.flush, fh2)
+    assert kernel.pushed == []
+    for h in (fh, reader, fh2):
+        big.call(fs.release, h)
+    # The same save alone is pushed, once, however often it is flushed.
+    fh3, attr3 = big.call(partial(fs.create, direct=True), ROOT, "c.pt", 0o644, os.O_WRONLY, CALLER)
+    big.call(fs.write, fh3, 0, data)
+    big.call(fs.flush, fh3)
+    big.call(fs.flush, fh3)
+    big.call(fs.release, fh3)
+    assert kernel.pushed == [(attr3.ino, 0, data)]
+
+
+# ----- through a real mount ------------------------------------------------------------
+
+
+def resident(path: Path) -> set[int]:
+    """The pages of ``path`` in the kernel's page cache (mincore), read-free."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = path.stat().st_size
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mm:
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+        vec = (ctypes.c_ubyte * -(-size // PAGE))()
+        if libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) != 0:
+            raise OSError(ctypes.get_errno(), "mincore")
+        return {i for i, v in enumerate(vec) if v & 1}
+
+
+def reads_whole(path: Path) -> bytes:
+    with open(path, "rb", buffering=0) as f:
+        return f.read()
+
+
+def test_a_save_leaves_its_head_and_tail_cached_and_every_later_read_is_true(mounted: Mount):
+    """torch.save's pattern (a temporary name written with O_WRONLY, then
+    os.replace): at the close the head and tail pages are in the kernel's
+    page cache before anything read them, and no other page is. Then the
+    file is changed every way a job changes a file (in place through a
+    page-cache writer and a direct-I/O writer, truncated, saved over), with
+    a reader and a mapping kept open across, and every read, old handle or
+    new, whole file compared, gives the bytes the file holds."""
+    mnt = mounted.mnt
+    size = 3 * MiB + 12345
+    data = bytearray(os.urandom(size))
+    (mnt / "ckpt.pt.tmp").write_bytes(data)
+    os.replace(mnt / "ckpt.pt.tmp", mnt / "ckpt.pt")
+    pushed = mounted.stat()["fuse"]["pages_pushed"]
+    tail = (size - TAIL) // PAGE * PAGE
+    assert pushed == {"files": 1, "bytes": HEAD + size - tail, "refused": 0}
+    want = set(range(HEAD // PAGE)) | set(range(tail // PAGE, -(-size // PAGE)))
+    assert resident(mnt / "ckpt.pt") == want
+    assert reads_whole(mnt / "ckpt.pt") == data
+
+    reader = os.open(mnt / "ckpt.pt", os.O_RDONLY)
+    mapped = mmap.mmap(reader, 0, access=mmap.ACCESS_READ)
+    try:
+        for how in ("r+b", "direct", "truncate"):
+            if how == "r+b":
+                with open(mnt / "ckpt.pt", "r+b", buffering=0) as w:
+                    for off in (100, size - 50):
+                        patch = os.urandom(40)
+                        w.seek(off)
+                        w.write(patch)
+                        data[off : off + 40] = patch
+            elif how == "direct":  # O_WRONLY in place: direct I/O
+                fd = os.open(mnt / "ckpt.pt", os.O_WRONLY)
+                try:
+                    patch = os.urandom(PAGE)
+                    os.pwrite(fd, patch, 0)
+                    data[:PAGE] = patch
+                finally:
+                    os.close(fd)
+            else:
+                size -= 5000
+                os.truncate(mnt / "ckpt.pt", size)
+                del data[size:]
+            assert os.pread(reader, size + 10, 0) == data, how
+            assert mapped[:PAGE] == data[:PAGE], how
+            assert reads_whole(mnt / "ckpt.pt") == data, how
+    finally:
+        mapped.close()
+        os.close(reader)
+
+    # Saved over (a new file at the name): its own pages, pushed again.
+    new = os.urandom(2 * MiB + 3)
+    (mnt / "ckpt.pt.tmp").write_bytes(new)
+    os.replace(mnt / "ckpt.pt.tmp", mnt / "ckpt.pt")
+    assert mounted.stat()["fuse"]["pages_pushed"]["files"] == 2
+    assert reads_whole(mnt / "ckpt.pt") == new
+    mounted.umount()
+    mounted.mount()
+    assert reads_whole(mnt / "ckpt.pt") == new

@@ -28,7 +28,7 @@ from .config import Config
 from .core import Core
 from .cpulatency import BurstHold, CpuLatencyHold
 from .fusemount import MountFailed, mount, unmount
-from .fusesession import Session
+from .fusesession import Session, notify_store
 from .fusesession import describe as describe_session
 from .kernelpages import KernelPages
 from .operations import Operations
@@ -110,7 +110,10 @@ class Daemon:
                         burst=self.burst_latency,
                         spin=self.config.request_spin,
                     )
-                    core.fs.kernel_pages = KernelPages(self.session.notify_store)
+                    session = self.session
+                    core.fs.kernel_pages = KernelPages(
+                        fd, notify_store, allowed=lambda: session.direct_writes_drop_pages
+                    )
                     await nursery.start(control.serve, self.sock_path, self._routes(), self.owners)
                     nursery.start_soon(self._signals)
                     nursery.start_soon(set_read_ahead, self.mountpoint, self.config.read_ahead_kb)
@@ -128,6 +131,7 @@ class Daemon:
                     await self.session.run()
                     clean = core.all_durable()
                 finally:
+                    self._no_more_pushes()
                     try:
                         unmount(str(self.mountpoint))
                     finally:
@@ -182,8 +186,14 @@ class Daemon:
             raise
 
     def _end_session(self) -> None:
+        self._no_more_pushes()
         if self.session is not None:
             self.session.terminate()
+
+    def _no_more_pushes(self) -> None:
+        # Nobody reads the READs a push may wait for once the session ends.
+        if self.core.fs.kernel_pages is not None:
+            self.core.fs.kernel_pages.close()
 
     async def _signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -193,6 +203,7 @@ class Daemon:
                     # waits for the store) are cancelled: what they wrote
                     # stays in the cache for the next mount.
                     log.warning("second signal: unmounting without waiting for the flush")
+                    self._no_more_pushes()
                     if self.session is not None:
                         self.session.abort()
                     return

@@ -636,7 +636,7 @@ class FileSystem:
         inode.kernel_version = f.version
         inode.nlookup += 1
         fh = self._open_handle(inode, f, writable=True, caller=caller)
-        if direct:
+        if direct and inode.opens == 1:
             inode.kernel_cache = KernelCache.EMPTY
         return fh, self._attr(inode, None)
 
@@ -659,8 +659,6 @@ class FileSystem:
         """Open a file; returns (fh, whether the kernel may keep its cached pages)."""
         inode = self._inode(ino)
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
-        if writable:
-            await self._after_push(inode)
         if inode.kind == "file" and not writable:
             await self._after_rename_onto(inode, caller)
         if inode.kind == "plain" and not writable:
@@ -689,6 +687,10 @@ class FileSystem:
             )
         if not writable:
             return self._opened(inode, f, caller)
+        # Right before the handle, with no await between: a writer through
+        # the page cache holds a page's lock while its WRITE waits for the
+        # push (f.lock), and the push may wait for that page (kernelpages.py).
+        await self._after_push(inode)
         fh = self._open_handle(inode, f, writable, caller)
         try:
             if truncate and (f.size or f.lost):
@@ -1141,7 +1143,6 @@ class FileSystem:
         f = handle.file
         if f is None or not handle.writable:
             raise FsError(errno.EBADF)
-        await self._after_push(handle.inode)
         if off + len(data) > MAX_FILE_SIZE:
             raise FsError(errno.EFBIG, f"{f.path}: beyond the maximum file size")
         if handle.uid != 0 and kills_privileges(f.mode):
@@ -1161,34 +1162,38 @@ class FileSystem:
     async def _push_pages(self, inode: Inode, f: CachedFile) -> None:
         """A file saved here through one direct-I/O handle, now published: its
         head and tail into the kernel's page cache, so that the first load
-        after the save reads them from there (kernelpages.py)."""
-        if (
-            self.kernel_pages is None
-            or inode.kernel_cache is not KernelCache.EMPTY
-            or inode.file is not f
-            or f.state not in (FileState.PENDING, FileState.DURABLE)
-        ):
+        after the save reads them from there (kernelpages.py). Under
+        ``f.lock``, which a write or a truncate of the file takes before it
+        changes a byte: the bytes pushed are the file's until the push ends."""
+        if self.kernel_pages is None or inode.kernel_cache is not KernelCache.EMPTY:
             return
-        ranges = []
-        for start, end in pieces(f.size):
-            # A copy: the slots may be reused (spilled) while the push runs.
-            data = self.cache.copy_in_ram(f, start, end)
-            if data is None:
-                return  # not all in RAM: no push
-            ranges.append((start, data))
-        # The publish made the inode's kernel_version this version: an open
-        # from now on keeps these pages, which are of it until the push ends.
-        inode.kernel_cache, inode.pushed = KernelCache.PUSHING, trio.Event()
-        try:
-            await self.kernel_pages.push(inode.ino, ranges)
-        finally:
-            inode.kernel_cache = KernelCache.ANY
-            inode.pushed.set()
+        async with f.lock:
+            if (
+                inode.kernel_cache is not KernelCache.EMPTY
+                or inode.file is not f
+                or f.state not in (FileState.PENDING, FileState.DURABLE)
+            ):
+                return  # another handle opened, or a change came first
+            ranges = []
+            for start, end in pieces(f.size):
+                # A copy: the slots may be reused (spilled) while the push runs.
+                data = self.cache.copy_in_ram(f, start, end)
+                if data is None:
+                    return  # not all in RAM: no push
+                ranges.append((start, data))
+            # The publish made the inode's kernel_version this version: an
+            # open from now on keeps these pages, which are of it throughout.
+            inode.kernel_cache, inode.pushed = KernelCache.PUSHING, trio.Event()
+            try:
+                await self.kernel_pages.push(inode.ino, ranges)
+            finally:
+                inode.kernel_cache = KernelCache.ANY
+                inode.pushed.set()
 
     @staticmethod
     async def _after_push(inode: Inode) -> None:
-        """A change of the inode's content waits for a push of its pages:
-        the kernel must only ever get the bytes the file holds."""
+        """A writable open waits for a push of the inode's pages to end (see
+        open); once it ends the inode is never pushed again."""
         if inode.kernel_cache is KernelCache.PUSHING and inode.pushed is not None:
             await inode.pushed.wait()
 
@@ -1390,8 +1395,6 @@ class FileSystem:
 
     async def setattr(self, ino: int, change: SetAttr, caller: Caller) -> Attr:
         inode = self._inode(ino)
-        if change.size is not None:
-            await self._after_push(inode)
         if (adopting := self._adopting.get(ino)) is not None:
             # Not on the plain file it replaces: a changed mtime would make it
             # another file to the adoption's first publish.

@@ -298,6 +298,9 @@ class Session:
         self._holds_state = _LoopHoldsState(self._state_lock)
         self._sharing = False  # _holds_state installed
         self._thread: RequestThread | None = None
+        # Set at INIT: the kernel drops cached pages a direct write overwrites,
+        # so pages may be pushed (kernelpages.py) and AUTO_INVAL_DATA is off.
+        self.direct_writes_drop_pages = False
         self._store_watch: StoreCallWatch | None = None  # the thread's store calls
         # The request the thread gave the reading away with, or why the
         # reader reads (Handed); one at a time, so never more than one here.
@@ -836,23 +839,6 @@ class Session:
             if exc.errno not in (errno.ENOENT, errno.ENODEV):
                 log.error("reply to %s of inode %d failed: %s", _name(req.op), req.nodeid, exc)
 
-    def notify_store(self, nodeid: int, offset: int, data: bytes) -> bool:
-        """Put ``data`` into the kernel's page cache of ``nodeid`` at ``offset``
-        (FUSE_NOTIFY_STORE); whether it took them. Blocking: the kernel waits
-        for each page's lock, held by a READ of it in flight, so never call it
-        from a thread that answers requests (kernelpages.py)."""
-        size = OUT_HEADER_SIZE + abi.NOTIFY_STORE_OUT.size + len(data)
-        head = OUT_HEADER_PACK(size, abi.NOTIFY_STORE, 0)
-        where = abi.NOTIFY_STORE_OUT.pack(nodeid, offset, len(data), 0)
-        try:
-            os.writev(self.fd, [head, where, data])
-        except OSError as exc:
-            # ENOENT: the kernel forgot the inode; ENODEV, EBADF: the mount is gone.
-            if exc.errno not in (errno.ENOENT, errno.ENODEV, errno.EBADF):
-                log.warning("pages of inode %d not put in the page cache: %s", nodeid, exc)
-            return False
-        return True
-
     def _init(self, req: Request) -> None:
         major, minor, max_readahead, flags = abi.INIT_IN.unpack_from(req.body)
         if major != abi.KERNEL_MAJOR:
@@ -872,15 +858,17 @@ class Session:
         # kill by UnkillableStepTimeout). Without it the caller's own
         # request gets INTERRUPT like any other (test_interrupts), for
         # about 5-10% of O_DIRECT read throughput from RAM
-        # (docs/PERFORMANCE.md). And not AUTO_INVAL_DATA: with it a getattr
-        # reply whose mtime differs from the kernel's drops every cached page
-        # of the inode, and the first stat after a save always does (the
-        # kernel keeps the mtime of the create until then), which would drop
-        # the pages pushed at the save's close (kernelpages.py). What it
-        # guards is covered otherwise: an open keeps the cache only if it
-        # holds the version opened (Filesystem._kernel_may_keep), a direct
-        # write drops the pages it overwrites, and a size change still
-        # drops them.
+        # (docs/PERFORMANCE.md). And not AUTO_INVAL_DATA where the kernel
+        # drops the cached pages a direct write overwrites (FUSE 7.39, Linux
+        # 6.6 on; checked on 6.18): with it a getattr reply whose mtime
+        # differs from the kernel's drops every cached page of the inode,
+        # and the first stat after a save always does (the kernel keeps the
+        # mtime of the create until then), which would drop the pages pushed
+        # at the save's close (kernelpages.py). What it guards is covered
+        # otherwise there: an open keeps the cache only if it holds the
+        # version opened (Filesystem._kernel_may_keep), a direct write drops
+        # the pages it overwrites, and a size change still drops them.
+        self.direct_writes_drop_pages = minor >= 39
         want = (
             abi.ASYNC_READ
             | abi.PARALLEL_DIROPS
@@ -890,6 +878,8 @@ class Session:
             | abi.DO_READDIRPLUS
             | abi.MAX_PAGES
         )
+        if not self.direct_writes_drop_pages:
+            want |= abi.AUTO_INVAL_DATA
         if self.handlers.writeback_cache:
             want |= abi.WRITEBACK_CACHE
         # At most what a read buffer holds: the kernel refuses reads into less.
@@ -1082,6 +1072,25 @@ def _name(op: int) -> str:
         return Op(op).name
     except ValueError:
         return f"opcode {op}"
+
+
+def notify_store(fd: int, nodeid: int, offset: int, data: bytes) -> bool:
+    """Put ``data`` into the kernel's page cache of ``nodeid`` at ``offset``
+    (FUSE_NOTIFY_STORE) through ``fd``, a descriptor of the connection;
+    whether it took them. Blocking: the kernel waits for each page's lock,
+    held by a READ of it in flight, so never call it from a thread that
+    answers requests (kernelpages.py)."""
+    size = OUT_HEADER_SIZE + abi.NOTIFY_STORE_OUT.size + len(data)
+    head = OUT_HEADER_PACK(size, abi.NOTIFY_STORE, 0)
+    where = abi.NOTIFY_STORE_OUT.pack(nodeid, offset, len(data), 0)
+    try:
+        os.writev(fd, [head, where, data])
+    except OSError as exc:
+        # ENOENT: the kernel forgot the inode; ENODEV: the mount is gone.
+        if exc.errno not in (errno.ENOENT, errno.ENODEV):
+            log.warning("pages of inode %d not put in the page cache: %s", nodeid, exc)
+        return False
+    return True
 
 
 def describe(session: Session | None) -> dict[str, Any]:

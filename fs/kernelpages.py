@@ -17,19 +17,27 @@ Why it is safe:
   here through a direct-I/O handle, with no other handle opened on it since
   (``KernelCache.EMPTY``). So every page there after the push is of the
   version pushed.
-- While the push runs (``KernelCache.PUSHING``), whatever would change the
-  content waits for it (a writable open, a write, a truncate; none of them
-  holds a page lock while it waits). So the bytes pushed are the content
-  for as long as they are being pushed: a reader opening meanwhile may keep
-  the kernel's pages (the publish made the inode's ``kernel_version`` this
-  version), pushed or read, and they are all of that version.
-- The mount does not ask for FUSE_AUTO_INVAL_DATA (fusesession.py): with it
-  the first getattr after the save, whose mtime is the last write's and not
-  the create's the kernel still has, would drop the pages pushed.
-- The notification waits for each page's lock; a page is locked by a READ of
-  it in flight, which the loop or the request thread answers, never this
-  thread. So it runs in a worker thread, and nothing waits for it while
-  holding anything a READ needs.
+- The push holds the file's ``f.lock`` (Filesystem._push_pages), which a
+  write or a truncate takes before it changes a byte, and a writable open
+  waits for the push right before its handle exists (``PUSHING``, then
+  ``Inode.pushed``). So the bytes pushed are the file's for as long as they
+  are being pushed, and a reader opening meanwhile may keep them (the
+  publish made the inode's ``kernel_version`` this version).
+- The notification waits for each page's lock. A READ in flight holds it
+  until the loop or the request thread answers; a writer through the page
+  cache holds it while its WRITE waits for ``f.lock``, which is why no such
+  writer may open during a push. The thread that pushes answers nothing.
+- When the session ends, nobody answers READs any more: ``close`` gives up
+  the waits (the FLUSH returns and the unmount goes on, which ends the
+  connection and with it the blocked notification), and the descriptor the
+  thread writes through, a duplicate of the connection's, stays open until
+  that thread returns, so it never writes to a number reused meanwhile.
+- Only where the kernel drops the cached pages that a direct write
+  overwrites (FUSE 7.39, Linux 6.6 on): there the mount does not ask for
+  FUSE_AUTO_INVAL_DATA (fusesession.py), which would drop the pages pushed
+  at the first stat after the save (its mtime is the last write's, not the
+  create's the kernel still has). Older kernels keep AUTO_INVAL_DATA and get
+  no pushes.
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ from __future__ import annotations
 import enum
 import logging
 import mmap
+import os
+import threading
 from collections.abc import Callable, Sequence
 
 import trio
@@ -46,8 +56,9 @@ log = logging.getLogger("ckptfs.fs")
 HEAD = 64 << 10  # a zip's magic, a safetensors header
 TAIL = 256 << 10  # a zip's central directory: about 90 bytes an entry
 
-# (nodeid, offset, bytes) -> whether the kernel took them (blocking).
-Store = Callable[[int, int, bytes], bool]
+# (fd, nodeid, offset, bytes) -> whether the kernel took them (blocking).
+Store = Callable[[int, int, int, bytes], bool]
+PUSH_THREADS = 2  # of their own: a push blocked on a page must not hold up the journal's
 
 
 class KernelCache(enum.Enum):
@@ -71,18 +82,45 @@ def pieces(size: int, page: int = mmap.PAGESIZE) -> list[tuple[int, int]]:
 
 
 class KernelPages:
-    """Pushes byte ranges into the kernel's page cache of an inode."""
+    """Pushes byte ranges into the kernel's page cache of an inode, through a
+    descriptor of its own on the FUSE connection (a duplicate): a push that
+    outlives the session (see close) then never writes to a descriptor
+    number the process has reused for another file."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, fd: int, store: Store, allowed: Callable[[], bool] = lambda: True) -> None:
+        self._fd = os.dup(fd)
         self._store = store
+        self._allowed = allowed  # whether the kernel keeps pushed pages coherent
+        self._limiter = trio.CapacityLimiter(PUSH_THREADS)
+        self._lock = threading.Lock()  # _busy and _closed, with the threads
+        self._busy = 0  # pushes whose thread still runs
+        self._closed = False
+        self._waits: set[trio.CancelScope] = set()
         self.files = 0  # pushes the kernel took whole
         self.bytes = 0
         self.refused = 0  # pushes it did not (the inode forgotten, the mount gone)
 
     async def push(self, nodeid: int, ranges: Sequence[tuple[int, bytes]]) -> bool:
-        """Whether the kernel took every range. Not cancellable: a notification
-        half-written is not a thing, and it waits only for READs in flight."""
-        taken = await trio.to_thread.run_sync(self._push_now, nodeid, ranges)
+        """Whether the kernel took every range (False once closed). A push
+        waits for the lock of each page, which a READ in flight holds until
+        it is answered; when the session ends (close) nobody answers any
+        more, so its wait is given up and its thread left to fail once the
+        connection goes (the unmount that follows)."""
+        if not self._allowed():
+            return False
+        with self._lock:
+            if self._closed:
+                return False
+            self._busy += 1
+        taken = False
+        with trio.CancelScope() as wait:
+            self._waits.add(wait)
+            try:
+                taken = await trio.to_thread.run_sync(
+                    self._push_now, nodeid, ranges, abandon_on_cancel=True, limiter=self._limiter
+                )
+            finally:
+                self._waits.discard(wait)
         if taken:
             self.files += 1
             self.bytes += sum(len(data) for _, data in ranges)
@@ -91,7 +129,32 @@ class KernelPages:
         return taken
 
     def _push_now(self, nodeid: int, ranges: Sequence[tuple[int, bytes]]) -> bool:
-        return all(self._store(nodeid, off, data) for off, data in ranges)
+        try:
+            return all(
+                not self._closed and self._store(self._fd, nodeid, off, data)
+                for off, data in ranges
+            )
+        finally:
+            with self._lock:
+                self._busy -= 1
+                if self._closed and not self._busy:
+                    os.close(self._fd)
+
+    def close(self) -> None:
+        """The session ends: no more pushes, and none is waited for."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if not self._busy:
+                os.close(self._fd)
+        for wait in list(self._waits):
+            wait.cancel()
+
+    @property
+    def threads(self) -> int:
+        """Pushes whose thread still runs (a given-up one until it returns)."""
+        return self._busy
 
     def stats(self) -> dict[str, int]:
         return {"files": self.files, "bytes": self.bytes, "refused": self.refused}

@@ -51,16 +51,24 @@ class Kernel:
     def __init__(self) -> None:
         self.pushed: list[tuple[int, int, bytes]] = []
         self.go = threading.Event()
+        self.fd = os.open(os.devnull, os.O_WRONLY)  # what KernelPages duplicates
 
-    def store(self, nodeid: int, offset: int, data: bytes) -> bool:
+    def store(self, fd: int, nodeid: int, offset: int, data: bytes) -> bool:
+        os.fstat(fd)  # a descriptor of its own, open while it pushes
         self.pushed.append((nodeid, offset, bytes(data)))
         return self.go.wait(10)
 
+    def pages(self) -> KernelPages:
+        try:
+            return KernelPages(self.fd, self.store)
+        finally:
+            os.close(self.fd)
 
-def test_a_push_holds_back_a_writable_open_and_a_truncate_until_it_ends(big: Harness):
+
+def test_a_push_holds_back_writes_a_writable_open_and_a_truncate_until_it_ends(big: Harness):
     fs = big.core.fs
     kernel = Kernel()
-    fs.kernel_pages = KernelPages(kernel.store)
+    fs.kernel_pages = kernel.pages()
     data = random.randbytes(HEAD + TAIL + 5 * PAGE + 17)
     fh, attr = big.call(partial(fs.create, direct=True), ROOT, "a.pt", 0o644, os.O_WRONLY, CALLER)
     inode = fs.inodes[attr.ino]
@@ -86,14 +94,19 @@ def test_a_push_holds_back_a_writable_open_and_a_truncate_until_it_ends(big: Har
                 await fs.setattr(attr.ino, SetAttr(size=HEAD), CALLER)
                 order.append("truncated")
 
+            async def write_again() -> None:  # through the saving handle (a dup of its fd)
+                await fs.write(fh, 0, b"again")
+                order.append("written")
+
             nursery.start_soon(change)
             nursery.start_soon(truncate)
+            nursery.start_soon(write_again)
             await trio.sleep(0.05)
             order.append("pushed")
             kernel.go.set()
 
     big.call(scenario)
-    assert order[0] == "pushed" and sorted(order[1:]) == ["opened", "truncated"]
+    assert order[0] == "pushed" and sorted(order[1:]) == ["opened", "truncated", "written"]
     tail = (len(data) - TAIL) // PAGE * PAGE
     assert kernel.pushed == [(attr.ino, 0, data[:HEAD]), (attr.ino, tail, data[tail:])]
     # The push ended before the change: the pages it put there were the file's.
@@ -106,7 +119,7 @@ def test_no_push_once_another_handle_was_opened_or_without_direct_io(big: Harnes
     fs = big.core.fs
     kernel = Kernel()
     kernel.go.set()
-    fs.kernel_pages = KernelPages(kernel.store)
+    fs.kernel_pages = kernel.pages()
     data = random.randbytes(3 * PAGE)
     # Another handle (a reader) may have let the kernel cache pages of it.
     fh, attr = big.call(partial(fs.create, direct=True), ROOT, "a.pt", 0o644, os.O_WRONLY, CALLER)
@@ -127,6 +140,44 @@ def test_no_push_once_another_handle_was_opened_or_without_direct_io(big: Harnes
     big.call(fs.flush, fh3)
     big.call(fs.release, fh3)
     assert kernel.pushed == [(attr3.ino, 0, data)]
+
+
+def test_a_push_the_session_ends_under_is_given_up_and_its_descriptor_closed_after(
+    big: Harness,
+):
+    """A push waits for pages that READs in flight hold; once the session
+    ends nobody answers them, so close() gives up the wait at once (the
+    FLUSH that pushed returns, the unmount can go on) and the descriptor
+    the thread writes through is closed only when that thread is done."""
+    fs = big.core.fs
+    kernel = Kernel()
+    pages = fs.kernel_pages = kernel.pages()
+    fh, attr = big.call(partial(fs.create, direct=True), ROOT, "a.pt", 0o644, os.O_WRONLY, CALLER)
+    big.call(fs.write, fh, 0, random.randbytes(3 * PAGE))
+
+    async def scenario() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fs.flush, fh)
+            with trio.fail_after(10):
+                while not kernel.pushed:
+                    await trio.sleep(0.01)
+            pages.close()
+        # The flush returned with the thread still blocked, its descriptor open.
+        assert fs.inodes[attr.ino].kernel_cache is KernelCache.ANY
+        assert pages.threads == 1
+        fd = pages._fd
+        os.fstat(fd)
+        kernel.go.set()
+        with trio.fail_after(10):
+            while pages.threads:
+                await trio.sleep(0.01)
+        with pytest.raises(OSError):
+            os.fstat(fd)  # closed by the thread as it ended (nothing opened since)
+
+    big.call(scenario)
+    assert pages.stats()["refused"] == 1
+    assert big.call(pages.push, attr.ino, [(0, b"x")]) is False  # closed: no more pushes
+    big.call(fs.release, fh)
 
 
 # ----- through a real mount ------------------------------------------------------------
@@ -199,6 +250,10 @@ def test_a_save_leaves_its_head_and_tail_cached_and_every_later_read_is_true(mou
         mapped.close()
         os.close(reader)
 
+    # A file written through the page cache (w+b: O_RDWR) is not pushed.
+    with open(mnt / "other.json", "w+b") as f:
+        f.write(b"{}")
+    assert mounted.stat()["fuse"]["pages_pushed"]["files"] == 1
     # Saved over (a new file at the name): its own pages, pushed again.
     new = os.urandom(2 * MiB + 3)
     (mnt / "ckpt.pt.tmp").write_bytes(new)

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -58,6 +59,13 @@ class Kernel:
         self.pushed.append((nodeid, offset, bytes(data)))
         return self.go.wait(10)
 
+    async def close_blocks_in_push(self, nursery: trio.Nursery, fs: Any, fh: int) -> None:
+        """Start the close (FLUSH) of ``fh`` and return once its push is blocked here."""
+        nursery.start_soon(fs.flush, fh)
+        with trio.fail_after(10):
+            while not self.pushed:
+                await trio.sleep(0.01)
+
     def pages(self) -> KernelPages:
         try:
             return KernelPages(self.fd, self.store)
@@ -78,10 +86,7 @@ def test_a_push_holds_back_writes_a_writable_open_and_a_truncate_until_it_ends(b
 
     async def scenario() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(fs.flush, fh)
-            with trio.fail_after(10):
-                while not kernel.pushed:
-                    await trio.sleep(0.01)
+            await kernel.close_blocks_in_push(nursery, fs, fh)
             assert inode.kernel_cache is KernelCache.PUSHING
 
             async def change() -> None:
@@ -157,10 +162,7 @@ def test_a_push_the_session_ends_under_is_given_up_and_its_descriptor_closed_aft
 
     async def scenario() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(fs.flush, fh)
-            with trio.fail_after(10):
-                while not kernel.pushed:
-                    await trio.sleep(0.01)
+            await kernel.close_blocks_in_push(nursery, fs, fh)
             pages.close()
         # The flush returned with the thread still blocked, its descriptor open.
         assert fs.inodes[attr.ino].kernel_cache is KernelCache.ANY

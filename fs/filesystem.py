@@ -1165,15 +1165,21 @@ class FileSystem:
         after the save reads them from there (kernelpages.py). Under
         ``f.lock``, which a write or a truncate of the file takes before it
         changes a byte: the bytes pushed are the file's until the push ends."""
-        if self.kernel_pages is None or inode.kernel_cache is not KernelCache.EMPTY:
+        if (
+            self.kernel_pages is None
+            or inode.kernel_cache is not KernelCache.EMPTY
+            or inode.file is not f
+            or f.state not in (FileState.PENDING, FileState.DURABLE)
+        ):
             return
-        async with f.lock:
-            if (
-                inode.kernel_cache is not KernelCache.EMPTY
-                or inode.file is not f
-                or f.state not in (FileState.PENDING, FileState.DURABLE)
-            ):
-                return  # another handle opened, or a change came first
+        try:
+            f.lock.acquire_nowait()
+        except trio.WouldBlock:
+            # A write or a truncate is changing it (a write waiting for room
+            # holds the lock for as long as that takes): no push, and no
+            # wait, which would hold up this close behind that writer.
+            return
+        try:
             ranges = []
             for start, end in pieces(f.size):
                 # A copy: the slots may be reused (spilled) while the push runs.
@@ -1189,6 +1195,8 @@ class FileSystem:
             finally:
                 inode.kernel_cache = KernelCache.ANY
                 inode.pushed.set()
+        finally:
+            f.lock.release()
 
     @staticmethod
     async def _after_push(inode: Inode) -> None:

@@ -18,7 +18,10 @@ Why it is safe:
   (``KernelCache.EMPTY``). So every page there after the push is of the
   version pushed.
 - The push holds the file's ``f.lock`` (Filesystem._push_pages), which a
-  write or a truncate takes before it changes a byte, and a writable open
+  write or a truncate takes before it changes a byte (taken only if free: a
+  write waiting for room in the cache holds it for as long as that takes,
+  and a close must not wait behind it, so nothing is pushed then), and a
+  writable open
   waits for the push right before its handle exists (``PUSHING``, then
   ``Inode.pushed``). So the bytes pushed are the file's for as long as they
   are being pushed, and a reader opening meanwhile may keep them (the

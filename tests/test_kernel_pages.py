@@ -19,6 +19,7 @@ import trio
 from ckptfs.fs.filesystem import Caller, SetAttr
 from ckptfs.fs.inodes import ROOT
 from ckptfs.fs.kernelpages import HEAD, TAIL, KernelCache, KernelPages, pieces
+from ckptfs.fs.state import FileState
 from conftest import Mount
 from lifecycle_harness import Harness
 
@@ -145,6 +146,38 @@ def test_no_push_once_another_handle_was_opened_or_without_direct_io(big: Harnes
     big.call(fs.flush, fh3)
     big.call(fs.release, fh3)
     assert kernel.pushed == [(attr3.ino, 0, data)]
+
+
+def test_a_close_while_a_write_of_the_file_waits_neither_waits_for_it_nor_pushes(big: Harness):
+    """A write waiting for room in the cache holds the file's lock for as
+    long as that takes; a close of another descriptor of the file meanwhile
+    (a forked child's exec closes its inherited copies: the CI found the
+    suite's 32-writers test hung there) must not wait behind it."""
+    fs = big.core.fs
+    kernel = Kernel()
+    kernel.go.set()
+    fs.kernel_pages = kernel.pages()
+    fh, attr = big.call(partial(fs.create, direct=True), ROOT, "a.pt", 0o644, os.O_WRONLY, CALLER)
+    big.call(fs.write, fh, 0, random.randbytes(3 * PAGE))
+    f = fs.handles[fh].file
+
+    async def scenario() -> None:
+        done = trio.Event()
+
+        async def writer_waiting_for_room(task_status: trio.TaskStatus[None]) -> None:
+            async with f.lock:
+                task_status.started()
+                await done.wait()
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(writer_waiting_for_room)
+            with trio.fail_after(5):
+                await fs.flush(fh)
+            done.set()
+
+    big.call(scenario)
+    assert kernel.pushed == [] and f.state is FileState.PENDING
+    big.call(fs.release, fh)
 
 
 def test_a_push_the_session_ends_under_is_given_up_and_its_descriptor_closed_after(

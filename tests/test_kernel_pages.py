@@ -251,6 +251,8 @@ def test_a_save_leaves_its_head_and_tail_cached_and_every_later_read_is_true(mou
     pushed = mounted.stat()["fuse"]["pages_pushed"]
     tail = (size - TAIL) // PAGE * PAGE
     assert pushed == {"files": 1, "bytes": HEAD + size - tail, "refused": 0}
+    shown = f"page cache at their close: 1 file(s), {(HEAD + size - tail) >> 10} KiB"
+    assert shown in mounted.cli("stat", str(mnt)).stdout
     want = set(range(HEAD // PAGE)) | set(range(tail // PAGE, -(-size // PAGE)))
     assert resident(mnt / "ckpt.pt") == want
     assert reads_whole(mnt / "ckpt.pt") == data

@@ -91,6 +91,13 @@ def format_stat(s: dict[str, Any]) -> str:
         lines.append(f"         in bursts of small requests: {burst}")
     if "requests" in fuse:
         lines.append(f"         {requests_text(fuse)}")
+    pushed = fuse.get("pages_pushed") or {}
+    if pushed.get("files") or pushed.get("refused"):
+        lines.append(
+            f"         saves' head and tail put in the page cache at their close: "
+            f"{pushed['files']} file(s), {pushed['bytes'] >> 10} KiB"
+            + (f" ({pushed['refused']} not taken)" if pushed.get("refused") else "")
+        )
     for p in s.get("peers", []):
         age = p.get("last_heartbeat_age")
         heard = "never" if age is None else f"{age:.1f}s ago"

@@ -254,7 +254,11 @@ def test_a_save_leaves_its_head_and_tail_cached_and_every_later_read_is_true(mou
     shown = f"page cache at their close: 1 file(s), {(HEAD + size - tail) >> 10} KiB"
     assert shown in mounted.cli("stat", str(mnt)).stdout
     want = set(range(HEAD // PAGE)) | set(range(tail // PAGE, -(-size // PAGE)))
-    assert resident(mnt / "ckpt.pt") == want
+    # No page but those (nothing read the file), and those there: all of
+    # them but what the kernel may have reclaimed meanwhile (a clean page
+    # may go at any moment; a CI run under memory pressure lost one of 81).
+    got = resident(mnt / "ckpt.pt")
+    assert got <= want and len(want - got) <= 2, sorted(want ^ got)
     assert reads_whole(mnt / "ckpt.pt") == data
 
     reader = os.open(mnt / "ckpt.pt", os.O_RDONLY)

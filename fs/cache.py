@@ -114,6 +114,13 @@ def _adds_nothing(f: CachedFile, p: int, gen: int, fill: int) -> bool:
     )
 
 
+def _bytes_here(f: CachedFile) -> bool:
+    """Whether ``f``'s bytes may be in this node's RAM or store frames at
+    all: not once it is lost, nor for a file pending on another node (its
+    bytes come from its holders)."""
+    return not f.lost and f.role is not FileRole.REMOTE
+
+
 class Cache:
     def __init__(
         self,
@@ -1047,7 +1054,7 @@ class Cache:
         one does (``read`` then waits for it). Off the loop (the FUSE request
         thread, the loop parked) only bytes in RAM pages count, and no
         read-ahead starts: that takes the loop's nursery."""
-        if f.lost or f.role is FileRole.REMOTE:
+        if not _bytes_here(f):
             return None
         end = min(off + size, f.size)
         views = self.reader.read_now(f, off, end, frames_ok=on_loop) if end > off else []
@@ -1065,7 +1072,7 @@ class Cache:
     def copy_in_ram(self, f: CachedFile, off: int, end: int) -> bytes | None:
         """A copy of bytes [off, end) of ``f`` if every one is in RAM (or a
         hole) now, else None. Not a read: no read pattern is observed."""
-        if f.lost or f.role is FileRole.REMOTE:
+        if not _bytes_here(f):
             return None
         views = self.reader.read_now(f, off, min(end, f.size), frames_ok=False)
         return None if views is None else b"".join(views)

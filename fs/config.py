@@ -112,6 +112,12 @@ class Config:
     # usually follows within microseconds (torch.load's second open), and
     # both the daemon's CPU and the caller's then wake at once. 0: off.
     burst_latency_hold: float = 0.002
+    # Up to this long (seconds), the hold follows the pauses between the
+    # caller's bursts (cpulatency.BurstHold): a burst that comes back soon
+    # after the hold lapsed lengthens the next hold to cover such a pause
+    # (a restore's small loads one after another); a longer pause sets it
+    # back. At or below burst_latency_hold: a fixed hold.
+    burst_latency_hold_max: float = 0.05
     # After the request thread answers a request, it reads /dev/fuse again
     # and again for this long (seconds) before it waits in poll(2), unless
     # its caller runs on its CPU: a caller's next request often follows
@@ -236,6 +242,7 @@ SCHEMA: dict[str, tuple[str, Any]] = {
     "fuse.open_recheck": ("open_recheck", _seconds),
     "fuse.cpu_latency_hold": ("cpu_latency_hold", _seconds),
     "fuse.burst_latency_hold": ("burst_latency_hold", _seconds),
+    "fuse.burst_latency_hold_max": ("burst_latency_hold_max", _seconds),
     "fuse.request_spin": ("request_spin", _spin),
     "fuse.read_ahead_kb": ("read_ahead_kb", parse_int),
     "backing_timeout": ("backing_timeout", _timeout),

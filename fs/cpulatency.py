@@ -14,7 +14,8 @@ while, so an idle node idles as before. Two holds use it:
 - ``fuse.burst_latency_hold`` (:class:`BurstHold`, 2 ms by default): taken when
   a request is answered inline, let go by the session's reader once that long
   passed without another; a caller's next request usually follows within
-  microseconds.
+  microseconds. Lengthened up to ``fuse.burst_latency_hold_max`` when bursts
+  come back within that: the pauses between a restore's small loads.
 - ``fuse.cpu_latency_hold`` (:class:`CpuLatencyHold`, off by default): taken on
   every request, let go by a task on the loop. It changes the whole machine's
   idle behaviour while held, and it only helps when the caller and the daemon
@@ -47,6 +48,8 @@ TAKE = struct.pack("=i", LATENCY_US)
 # Written to let go while keeping the device open: the kernel's
 # PM_QOS_DEFAULT_VALUE, which sets our request back to "no limit".
 LET_GO = struct.pack("=i", -1)
+# A lengthened burst hold covers the last pause times this: pauses vary.
+STRETCH = 1.5
 
 
 class HoldState(enum.Enum):
@@ -145,23 +148,47 @@ class BurstHold(_LatencyRequest):
     No task lets it go: the session's reader (the request thread, or the
     loop's reader while the loop reads) bounds its wait for the next request
     by :meth:`remaining` and calls :meth:`release` when the wait runs out.
-    One reader at a time reads, so one thread at a time uses it."""
+    One reader at a time reads, so one thread at a time uses it.
+
+    The hold follows the caller's rhythm, up to ``longest``: a burst that
+    comes back a short pause after the hold lapsed (a restore's next small
+    load, after the caller's own work on the last one) makes the next hold
+    a little longer than that pause, so that the next burst's first request
+    finds idle CPUs polling; a pause longer than ``longest`` sets it back to
+    ``base``. Bursts seconds apart thus cost no more polling than before,
+    and steady bursts pay one wake-up, not one each."""
 
     def __init__(
         self,
         hold: float,
+        longest: float = 0.0,
         key: str = "fuse.burst_latency_hold",
         device: str = DEVICE,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(hold, key, device, clock)
+        self.base = hold
+        self.longest = max(longest, hold)
+        self.lengthened = 0  # holds taken longer than base
 
     def answered(self) -> None:
         """A request was answered inline: take the hold, or keep it."""
+        now = self._clock()
         if self.state is HoldState.HELD:
-            self._last = self._clock()
+            self._last = now
         elif self.state is HoldState.IDLE:
+            self._fit(now - self._last)
             self._take()
+
+    def _fit(self, pause: float) -> None:
+        """The length of the hold about to be taken, after a pause of
+        ``pause`` seconds since the last inline answer."""
+        if pause <= self.longest and self._last:
+            self.hold = min(self.longest, max(self.base, pause * STRETCH))
+        else:
+            self.hold = self.base
+        if self.hold > self.base:
+            self.lengthened += 1
 
     def remaining(self) -> float | None:
         """Seconds until the hold is to be let go (0: now); None if not held."""
@@ -173,6 +200,11 @@ class BurstHold(_LatencyRequest):
         """After a wait bounded by :meth:`remaining`: let go if it ran out."""
         if self.remaining() == 0:
             self.release()
+
+    def describe(self) -> dict[str, Any]:
+        out = super().describe()
+        out.update(base=self.base, longest=self.longest, lengthened=self.lengthened)
+        return out
 
 
 class CpuLatencyHold(_LatencyRequest):

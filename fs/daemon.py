@@ -71,7 +71,9 @@ class Daemon:
         self.cpu_latency = CpuLatencyHold(self.config.cpu_latency_hold, "fuse.cpu_latency_hold")
         # A burst of small requests (torch.load's opens): held from a fast
         # answer until that long after the last (fs/fusesession.py).
-        self.burst_latency = BurstHold(self.config.burst_latency_hold)
+        self.burst_latency = BurstHold(
+            self.config.burst_latency_hold, self.config.burst_latency_hold_max
+        )
         self.started = time.time()
         self._terminating = False
         self.session: Session | None = None

@@ -1167,6 +1167,7 @@ class FileSystem:
         changes a byte: the bytes pushed are the file's until the push ends."""
         if (
             self.kernel_pages is None
+            or not self.kernel_pages.wanted()
             or inode.kernel_cache is not KernelCache.EMPTY
             or inode.file is not f
             or f.state not in (FileState.PENDING, FileState.DURABLE)

@@ -297,6 +297,8 @@ class Session:
         self._state_lock = threading.Lock()  # the loop's, except while it waits for I/O
         self._holds_state = _LoopHoldsState(self._state_lock)
         self._sharing = False  # _holds_state installed
+        # Whether the loop's epoll still lists /dev/fuse (see _stop_polling).
+        self._polled = False
         self._thread: RequestThread | None = None
         # Set at INIT: the kernel drops cached pages a direct write overwrites,
         # so pages may be pushed (kernelpages.py) and AUTO_INVAL_DATA is off.
@@ -455,6 +457,7 @@ class Session:
                 req = _request(self._read_buf, n)
             else:
                 if received is None:
+                    self._stop_polling()
                     received = await self._handed_recv.receive()  # with the reading
                 self._share_state(False)  # the thread parked
                 if received is Handed.GONE:
@@ -519,6 +522,7 @@ class Session:
             if held is not None:
                 timeout = min(timeout, held)
             with trio.move_on_after(max(timeout, 0.0)):
+                self._polled = True
                 await trio.lowlevel.wait_readable(self.fd)
                 return
             if burst is not None:
@@ -526,6 +530,19 @@ class Session:
             if trio.current_time() >= idle_until:
                 self._give_to_thread()
                 return
+
+    def _stop_polling(self) -> None:
+        """Take /dev/fuse out of the loop's epoll while the request thread
+        reads. trio leaves a descriptor it waited for in its epoll set, its
+        events masked; the kernel wakes every waiter of /dev/fuse at each
+        request without saying which events, so the loop's thread would be
+        woken (and sleep again) for every request the thread answers,
+        preempting it on its CPU. Called by the reader, which is the only
+        task that waits for /dev/fuse: no task is waiting then, so trio's
+        notify_closing wakes nobody and only removes the registration."""
+        if self._polled and self.fd >= 0:
+            self._polled = False
+            trio.lowlevel.notify_closing(self.fd)
 
     def _answer_inline(self, req: Request) -> bool:
         """Whether ``req`` was answered without a worker, on the loop: INIT,

@@ -103,13 +103,19 @@ class KernelPages:
         self.bytes = 0
         self.refused = 0  # pushes it did not (the inode forgotten, the mount gone)
 
+    def wanted(self) -> bool:
+        """Whether a push now could be taken: the kernel keeps pushed pages
+        coherent, and the session has not ended. Asked before the pages are
+        copied out of the cache."""
+        return not self._closed and self._allowed()
+
     async def push(self, nodeid: int, ranges: Sequence[tuple[int, bytes]]) -> bool:
         """Whether the kernel took every range (False once closed). A push
         waits for the lock of each page, which a READ in flight holds until
         it is answered; when the session ends (close) nobody answers any
         more, so its wait is given up and its thread left to fail once the
         connection goes (the unmount that follows)."""
-        if not self._allowed():
+        if not self.wanted():
             return False
         with self._lock:
             if self._closed:

@@ -139,6 +139,43 @@ def test_a_burst_hold_is_kept_by_answers_and_let_go_by_its_reader(tmp_path: Path
     assert off.state is HoldState.OFF and off.remaining() is None
 
 
+def test_a_burst_hold_follows_the_pauses_between_bursts(tmp_path: Path) -> None:
+    """A burst that comes back soon after the hold lapsed lengthens the next
+    hold to 1.5 times that pause (up to ``longest``): the next burst's first
+    request then finds the CPUs polling. A long pause sets it back."""
+    device = tmp_path / "cpu_dma_latency"
+    device.write_bytes(b"")
+    now = [100.0]
+    hold = BurstHold(0.002, 0.05, device=str(device), clock=lambda: now[0])
+
+    def burst_after(pause: float) -> None:
+        now[0] += pause
+        hold.let_go_if_over()  # the reader's wait ran out meanwhile, if it did
+        hold.answered()
+        now[0] += 0.0001
+        hold.answered()  # the burst's second request keeps it
+
+    burst_after(0.0)
+    assert hold.hold == 0.002 and hold.lengthened == 0  # no pause seen yet: the base
+    burst_after(0.004)  # lapsed after 2 ms; back 4 ms after the last answer
+    assert hold.holds == 2 and hold.hold == pytest.approx(0.006) and hold.lengthened == 1
+    burst_after(0.005)  # within the lengthened hold: kept, not taken again
+    assert hold.holds == 2 and hold.state is HoldState.HELD
+    assert hold.remaining() == pytest.approx(0.006)
+    burst_after(0.04)  # lapsed; a longer pause, still under longest: capped at longest
+    assert hold.holds == 3 and hold.hold == pytest.approx(0.05)
+    burst_after(1.2)  # spaced loads: back to the base, no more polling than a fixed hold
+    assert hold.holds == 4 and hold.hold == 0.002
+    assert hold.describe()["lengthened"] == 2 and hold.describe()["longest"] == 0.05
+    fixed = BurstHold(0.002, device=str(device), clock=lambda: now[0])  # longest 0: fixed
+    now[0] += 1
+    fixed.answered()
+    now[0] += 0.004
+    fixed.let_go_if_over()
+    fixed.answered()
+    assert fixed.hold == 0.002 and fixed.lengthened == 0 and fixed.holds == 2
+
+
 def kernel_limit() -> int:
     fd = os.open(DEVICE, os.O_RDONLY)  # a reader's own request asks for nothing
     try:
@@ -210,7 +247,8 @@ def test_a_burst_of_small_requests_holds_for_a_moment(mounts) -> None:  # type: 
     assert any(held_at_open)
     time.sleep(0.2)
     burst = m.stat()["fuse"]["burst_latency"]
-    assert burst["state"] == "idle" and burst["holds"] >= 1 and burst["hold"] == 0.002
+    assert burst["state"] == "idle" and burst["holds"] >= 1
+    assert burst["base"] == 0.002 and burst["longest"] == 0.05  # the defaults
     assert burst["held_seconds"] < 1.0  # moments, not the whole test
     if before != 0:
         assert kernel_limit() == before

@@ -347,6 +347,56 @@ def test_the_request_thread_answers_small_requests_while_the_loop_waits(tmp_path
         assert session.mode is ReadMode.THREAD
 
 
+def _epolls_listing(fd: int) -> list[str]:
+    """The epoll descriptors of this process that list ``fd``."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") != "anon_inode:[eventpoll]":
+                continue
+            info = Path(f"/proc/self/fdinfo/{name}").read_text()
+        except OSError:
+            continue  # closed meanwhile
+        if any(line.split()[:2] == ["tfd:", str(fd)] for line in info.splitlines()):
+            found.append(name)
+    return found
+
+
+def _voluntary_switches(tid: int) -> int:
+    status = Path(f"/proc/self/task/{tid}/status").read_text()
+    return int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("voluntary_")))
+
+
+def test_the_loop_sleeps_through_the_requests_the_thread_answers(tmp_path: Path) -> None:
+    """Once the loop has read /dev/fuse itself (a LOOKUP it handed to a
+    worker) and given the reading back, /dev/fuse is out of its epoll set:
+    the kernel wakes every waiter of /dev/fuse at each request, and a
+    registration trio leaves behind (its events masked) would wake the
+    loop's thread for every request the thread answers, only to sleep again,
+    preempting the thread on its CPU (docs/PERFORMANCE.md)."""
+    tiny = Tiny(b"abc")
+    tiny.off_loop = True
+    with served(tmp_path, tiny) as (mnt, session, token):
+        loop_tid = trio.from_thread.run_sync(threading.get_native_id, trio_token=token)
+        # The LOOKUP needs a worker: the loop reads on, waits for /dev/fuse
+        # for LOOP_IDLE since nothing follows, then gives the reading back.
+        os.stat(mnt / "f")
+        _wait_for(lambda: session.mode is ReadMode.THREAD)
+        assert session.counters.handled >= 1
+        assert _epolls_listing(session.fd) == []
+        fd = os.open(mnt / "f", os.O_RDONLY)
+        try:
+            before, answered = _voluntary_switches(loop_tid), session.counters.thread_stateless
+            for _ in range(200):  # isatty: one IOCTL each, which the thread answers
+                with pytest.raises(OSError):
+                    fcntl.ioctl(fd, termios.TCGETS, bytes(64))
+            woken = _voluntary_switches(loop_tid) - before
+        finally:
+            os.close(fd)
+        assert session.counters.thread_stateless - answered == 200  # all by the thread
+        assert woken < 20, f"the loop's thread slept {woken} times in 200 requests"
+
+
 @pytest.mark.skipif(
     len(os.sched_getaffinity(0)) < 2, reason="the thread spins only when the caller has a CPU"
 )

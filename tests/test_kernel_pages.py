@@ -148,6 +148,33 @@ def test_no_push_once_another_handle_was_opened_or_without_direct_io(big: Harnes
     assert kernel.pushed == [(attr3.ino, 0, data)]
 
 
+def test_on_a_kernel_that_keeps_no_pushed_page_coherent_nothing_is_copied(
+    big: Harness, monkeypatch: pytest.MonkeyPatch
+):
+    """Before FUSE 7.39 the mount keeps AUTO_INVAL_DATA and pushes nothing:
+    the close does not even copy the head and tail out of the cache."""
+    fs = big.core.fs
+    kernel = Kernel()
+    kernel.go.set()
+    fs.kernel_pages = KernelPages(kernel.fd, kernel.store, allowed=lambda: False)
+    os.close(kernel.fd)
+    copies: list[tuple[int, int]] = []
+    copy_in_ram = fs.cache.copy_in_ram
+    monkeypatch.setattr(
+        fs.cache, "copy_in_ram", lambda f, a, b: copies.append((a, b)) or copy_in_ram(f, a, b)
+    )
+    data = random.randbytes(3 * PAGE)
+    fh, attr = big.call(partial(fs.create, direct=True), ROOT, "a.pt", 0o644, os.O_WRONLY, CALLER)
+    big.call(fs.write, fh, 0, data)
+    big.call(fs.flush, fh)
+    big.call(fs.release, fh)
+    assert copies == [] and kernel.pushed == []
+    assert fs.inodes[attr.ino].kernel_cache is KernelCache.EMPTY
+    reader, _ = big.call(fs.open, attr.ino, os.O_RDONLY, CALLER)  # opens as before
+    assert big.call(fs.read, reader, 0, len(data)) == data
+    big.call(fs.release, reader)
+
+
 def test_a_close_while_a_write_of_the_file_waits_neither_waits_for_it_nor_pushes(big: Harness):
     """A write waiting for room in the cache holds the file's lock for as
     long as that takes; a close of another descriptor of the file meanwhile

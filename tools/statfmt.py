@@ -87,7 +87,13 @@ def format_stat(s: dict[str, Any]) -> str:
             f"their name, {fuse['opens_sent_back']} of them sent to walk the path again"
         )
     if "burst_latency" in fuse:
-        burst = cpu_latency_text(fuse["burst_latency"], "fuse.burst_latency_hold")
+        hold = fuse["burst_latency"]
+        burst = cpu_latency_text(hold, "fuse.burst_latency_hold")
+        if hold.get("lengthened"):
+            burst += (
+                f"; {hold['lengthened']} hold(s) lengthened to the pauses between bursts "
+                f"(up to {hold['longest'] * 1000:g} ms)"
+            )
         lines.append(f"         in bursts of small requests: {burst}")
     if "requests" in fuse:
         lines.append(f"         {requests_text(fuse)}")

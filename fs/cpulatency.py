@@ -50,6 +50,12 @@ TAKE = struct.pack("=i", LATENCY_US)
 LET_GO = struct.pack("=i", -1)
 # A lengthened burst hold covers the last pause times this: pauses vary.
 STRETCH = 1.5
+# Inline answers a burst needs for its pause to lengthen the next hold: a
+# load's OPEN, IOCTL, OPEN and RELEASEs, not a poller's lone stat.
+MIN_BURST = 3
+# Seconds a lengthened hold may be kept without a pause longer than its
+# longest: a restore's small loads take less; a steady poller is cut off.
+LENGTHENED_FOR = 10.0
 
 
 class HoldState(enum.Enum):
@@ -150,13 +156,16 @@ class BurstHold(_LatencyRequest):
     by :meth:`remaining` and calls :meth:`release` when the wait runs out.
     One reader at a time reads, so one thread at a time uses it.
 
-    The hold follows the caller's rhythm, up to ``longest``: a burst that
-    comes back a short pause after the hold lapsed (a restore's next small
-    load, after the caller's own work on the last one) makes the next hold
-    a little longer than that pause, so that the next burst's first request
-    finds idle CPUs polling; a pause longer than ``longest`` sets it back to
-    ``base``. Bursts seconds apart thus cost no more polling than before,
-    and steady bursts pay one wake-up, not one each."""
+    The hold follows the caller's rhythm, up to ``longest``: a burst (at
+    least MIN_BURST answers: a load's opens, isatty and closes) followed by
+    another within ``longest`` makes that one's hold 1.5 times the pause
+    between them, so that the burst after it finds idle CPUs polling; a
+    smaller burst, or a pause longer than ``longest``, sets it back to
+    ``base``. Bursts seconds apart thus cost no more polling than a fixed
+    hold, and steady bursts pay one wake-up, not one each. A lengthened hold
+    kept for LENGTHENED_FOR without a pause longer than ``longest`` goes
+    back to ``base`` (a steady poller, not a restore), and is not lengthened
+    again until such a pause."""
 
     def __init__(
         self,
@@ -169,32 +178,44 @@ class BurstHold(_LatencyRequest):
         super().__init__(hold, key, device, clock)
         self.base = hold
         self.longest = max(longest, hold)
-        self.lengthened = 0  # holds taken longer than base
+        self.lengthened = 0  # bursts whose hold was lengthened
+        self._answers = 0  # in the current (or last) burst
+        self._tired = False  # held lengthened for LENGTHENED_FOR: base until a long pause
 
     def answered(self) -> None:
-        """A request was answered inline: take the hold, or keep it."""
+        """A request was answered inline: take the hold, or keep it. The
+        first answer after a pause longer than ``base`` starts a burst, and
+        the hold's length is fitted to that pause and the last burst."""
         now = self._clock()
+        pause = now - self._last
         if self.state is HoldState.HELD:
+            if pause > self.base:  # a new burst, within a lengthened hold
+                self._fit(pause)
+                self._answers = 0
             self._last = now
+            self._answers += 1
         elif self.state is HoldState.IDLE:
-            self._fit(now - self._last)
-            self._take()
+            self._fit(pause)
+            if self._take():
+                self._answers = 1
 
     def _fit(self, pause: float) -> None:
-        """The length of the hold about to be taken, after a pause of
-        ``pause`` seconds since the last inline answer."""
-        if pause <= self.longest and self._last:
-            self.hold = min(self.longest, max(self.base, pause * STRETCH))
-        else:
-            self.hold = self.base
-        if self.hold > self.base:
-            self.lengthened += 1
+        """The hold's length for a burst that starts ``pause`` seconds after
+        the last answer of the one before (of ``_answers`` answers)."""
+        if pause > self.longest:
+            self._tired = False
+        follows = pause <= self.longest and self._answers >= MIN_BURST and not self._tired
+        self.hold = min(self.longest, max(self.base, pause * STRETCH)) if follows else self.base
+        self.lengthened += self.hold > self.base
 
     def remaining(self) -> float | None:
         """Seconds until the hold is to be let go (0: now); None if not held."""
         if self.state is not HoldState.HELD:
             return None
-        return max(0.0, self._last + self.hold - self._clock())
+        now = self._clock()
+        if self.hold > self.base and now - self._since > LENGTHENED_FOR:
+            self.hold, self._tired = self.base, True
+        return max(0.0, self._last + self.hold - now)
 
     def let_go_if_over(self) -> None:
         """After a wait bounded by :meth:`remaining`: let go if it ran out."""

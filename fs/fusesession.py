@@ -533,13 +533,15 @@ class Session:
 
     def _stop_polling(self) -> None:
         """Take /dev/fuse out of the loop's epoll while the request thread
-        reads. trio leaves a descriptor it waited for in its epoll set, its
-        events masked; the kernel wakes every waiter of /dev/fuse at each
-        request without saying which events, so the loop's thread would be
-        woken (and sleep again) for every request the thread answers,
-        preempting it on its CPU. Called by the reader, which is the only
-        task that waits for /dev/fuse: no task is waiting then, so trio's
-        notify_closing wakes nobody and only removes the registration."""
+        reads. trio leaves a descriptor it waited for in its epoll set; after
+        a wait that was cancelled (the LOOP_IDLE hand-back) its mask keeps
+        EPOLLERR and EPOLLHUP, which the kernel always adds, and the kernel
+        wakes every waiter of /dev/fuse at each request without saying which
+        events, so the loop's thread was woken (and slept again) for every
+        request the thread answered, preempting it on its CPU. Called by the
+        reader, the only task that waits for /dev/fuse: no task is waiting
+        then, so trio's notify_closing wakes nobody and only removes the
+        registration."""
         if self._polled and self.fd >= 0:
             self._polled = False
             trio.lowlevel.notify_closing(self.fd)

@@ -15,7 +15,14 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from ckptfs.fs.cpulatency import DEVICE, BurstHold, CpuLatencyHold, HoldState
+from ckptfs.fs.cpulatency import (
+    DEVICE,
+    LENGTHENED_FOR,
+    MIN_BURST,
+    BurstHold,
+    CpuLatencyHold,
+    HoldState,
+)
 
 REAL_DEVICE = Path(DEVICE)
 
@@ -140,39 +147,72 @@ def test_a_burst_hold_is_kept_by_answers_and_let_go_by_its_reader(tmp_path: Path
 
 
 def test_a_burst_hold_follows_the_pauses_between_bursts(tmp_path: Path) -> None:
-    """A burst that comes back soon after the hold lapsed lengthens the next
-    hold to 1.5 times that pause (up to ``longest``): the next burst's first
-    request then finds the CPUs polling. A long pause sets it back."""
+    """A burst (at least MIN_BURST answers) followed by another soon after
+    the hold lapsed lengthens the next hold to 1.5 times that pause (up to
+    ``longest``): the next burst's first request then finds the CPUs
+    polling. A long pause sets it back; a poller's lone requests never
+    lengthen it; a lengthened hold kept LENGTHENED_FOR without a long pause
+    goes back to the base until there is one."""
     device = tmp_path / "cpu_dma_latency"
     device.write_bytes(b"")
     now = [100.0]
     hold = BurstHold(0.002, 0.05, device=str(device), clock=lambda: now[0])
 
-    def burst_after(pause: float) -> None:
+    def burst_after(pause: float, answers: int = MIN_BURST) -> None:
         now[0] += pause
         hold.let_go_if_over()  # the reader's wait ran out meanwhile, if it did
-        hold.answered()
-        now[0] += 0.0001
-        hold.answered()  # the burst's second request keeps it
+        for _ in range(answers):
+            hold.answered()
+            now[0] += 0.0001
 
     burst_after(0.0)
     assert hold.hold == 0.002 and hold.lengthened == 0  # no pause seen yet: the base
-    burst_after(0.004)  # lapsed after 2 ms; back 4 ms after the last answer
-    assert hold.holds == 2 and hold.hold == pytest.approx(0.006) and hold.lengthened == 1
-    burst_after(0.005)  # within the lengthened hold: kept, not taken again
+    burst_after(0.004)  # lapsed after 2 ms; back 4.1 ms after the last answer
+    assert hold.holds == 2 and hold.hold == pytest.approx(0.00615) and hold.lengthened == 1
+    burst_after(0.005)  # within the lengthened hold: kept, not taken again, fitted anew
     assert hold.holds == 2 and hold.state is HoldState.HELD
-    assert hold.remaining() == pytest.approx(0.006)
+    assert hold.hold == pytest.approx(0.00765) and hold.lengthened == 2
+    assert hold.remaining() == pytest.approx(0.00765 - 0.0001)
     burst_after(0.04)  # lapsed; a longer pause, still under longest: capped at longest
     assert hold.holds == 3 and hold.hold == pytest.approx(0.05)
     burst_after(1.2)  # spaced loads: back to the base, no more polling than a fixed hold
     assert hold.holds == 4 and hold.hold == 0.002
-    assert hold.describe()["lengthened"] == 2 and hold.describe()["longest"] == 0.05
+    assert hold.describe()["lengthened"] == 3 and hold.describe()["longest"] == 0.05
+
+    # A poller's lone request every 10 ms: after the first (which follows a
+    # load), each pays the base hold, no more.
+    burst_after(0.01, answers=1)
+    for _ in range(20):
+        burst_after(0.01, answers=1)
+        assert hold.hold == 0.002
+    assert hold.lengthened == 4
+
+    # Bursts every 10 ms for longer than LENGTHENED_FOR: lengthened, then
+    # cut back to the base, and not lengthened again while they go on.
+    burst_after(1.0)
+    burst_after(0.01)
+    assert hold.hold == pytest.approx(0.01515)
+    taken, started = hold.holds, now[0]
+    for _ in range(int(2 * LENGTHENED_FOR / 0.0103)):
+        burst_after(0.01)  # each pause within the hold: one hold, until cut
+        if hold.holds != taken:
+            break
+    assert hold.holds == taken + 1  # cut back, lapsed, taken again
+    assert LENGTHENED_FOR < now[0] - started < LENGTHENED_FOR + 0.05
+    assert hold.hold == 0.002  # kept so long: back to the base
+    for _ in range(10):
+        burst_after(0.01)
+        assert hold.hold == 0.002
+    burst_after(0.2)  # a real pause: the next bursts may lengthen it again
+    burst_after(0.01)
+    assert hold.hold == pytest.approx(0.01515)
+
     fixed = BurstHold(0.002, device=str(device), clock=lambda: now[0])  # longest 0: fixed
-    now[0] += 1
-    fixed.answered()
-    now[0] += 0.004
-    fixed.let_go_if_over()
-    fixed.answered()
+    for _ in range(2):
+        now[0] += 0.004
+        fixed.let_go_if_over()
+        for _ in range(MIN_BURST):
+            fixed.answered()
     assert fixed.hold == 0.002 and fixed.lengthened == 0 and fixed.holds == 2
 
 
@@ -245,6 +285,14 @@ def test_a_burst_of_small_requests_holds_for_a_moment(mounts) -> None:  # type: 
         os.close(os.open(m.mnt / "f", os.O_RDONLY))  # answered inline
         held_at_open.append(kernel_limit() == 0)
     assert any(held_at_open)
+    # Loads of a kind, 10 ms apart (three opens each): the bursts after the
+    # first find a hold fitted to the pause before them.
+    for _ in range(3):
+        time.sleep(0.01)
+        for _ in range(3):
+            os.close(os.open(m.mnt / "f", os.O_RDONLY))
+    assert m.stat()["fuse"]["burst_latency"]["lengthened"] >= 1
+    assert "held longer for" in m.cli("stat", str(m.mnt)).stdout
     time.sleep(0.2)
     burst = m.stat()["fuse"]["burst_latency"]
     assert burst["state"] == "idle" and burst["holds"] >= 1

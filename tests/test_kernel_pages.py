@@ -156,7 +156,8 @@ def test_on_a_kernel_that_keeps_no_pushed_page_coherent_nothing_is_copied(
     fs = big.core.fs
     kernel = Kernel()
     kernel.go.set()
-    fs.kernel_pages = KernelPages(kernel.fd, kernel.store, allowed=lambda: False)
+    coherent = [False]
+    fs.kernel_pages = KernelPages(kernel.fd, kernel.store, allowed=lambda: coherent[0])
     os.close(kernel.fd)
     copies: list[tuple[int, int]] = []
     copy_in_ram = fs.cache.copy_in_ram
@@ -164,15 +165,24 @@ def test_on_a_kernel_that_keeps_no_pushed_page_coherent_nothing_is_copied(
         fs.cache, "copy_in_ram", lambda f, a, b: copies.append((a, b)) or copy_in_ram(f, a, b)
     )
     data = random.randbytes(3 * PAGE)
-    fh, attr = big.call(partial(fs.create, direct=True), ROOT, "a.pt", 0o644, os.O_WRONLY, CALLER)
-    big.call(fs.write, fh, 0, data)
-    big.call(fs.flush, fh)
-    big.call(fs.release, fh)
+
+    def save(name: str) -> int:
+        fh, attr = big.call(partial(fs.create, direct=True), ROOT, name, 0o644, os.O_WRONLY, CALLER)
+        big.call(fs.write, fh, 0, data)
+        big.call(fs.flush, fh)
+        big.call(fs.release, fh)
+        return attr.ino
+
+    ino = save("a.pt")
     assert copies == [] and kernel.pushed == []
-    assert fs.inodes[attr.ino].kernel_cache is KernelCache.EMPTY
-    reader, _ = big.call(fs.open, attr.ino, os.O_RDONLY, CALLER)  # opens as before
+    assert fs.inodes[ino].kernel_cache is KernelCache.EMPTY
+    reader, _ = big.call(fs.open, ino, os.O_RDONLY, CALLER)  # opens as before
     assert big.call(fs.read, reader, 0, len(data)) == data
     big.call(fs.release, reader)
+    coherent[0] = True  # the same save where the kernel keeps them coherent: copied, pushed
+    ino_b = save("b.pt")
+    assert copies == [(0, len(data))] and kernel.pushed == [(ino_b, 0, data)]
+    fs.kernel_pages.close()
 
 
 def test_a_close_while_a_write_of_the_file_waits_neither_waits_for_it_nor_pushes(big: Harness):

@@ -91,7 +91,7 @@ def format_stat(s: dict[str, Any]) -> str:
         burst = cpu_latency_text(hold, "fuse.burst_latency_hold")
         if hold.get("lengthened"):
             burst += (
-                f"; {hold['lengthened']} hold(s) lengthened to the pauses between bursts "
+                f"; held longer for {hold['lengthened']} burst(s), to the pause before them "
                 f"(up to {hold['longest'] * 1000:g} ms)"
             )
         lines.append(f"         in bursts of small requests: {burst}")

@@ -113,10 +113,11 @@ class Config:
     # both the daemon's CPU and the caller's then wake at once. 0: off.
     burst_latency_hold: float = 0.002
     # Up to this long (seconds), the hold follows the pauses between the
-    # caller's bursts (cpulatency.BurstHold): a burst that comes back soon
-    # after the hold lapsed lengthens the next hold to cover such a pause
-    # (a restore's small loads one after another); a longer pause sets it
-    # back. At or below burst_latency_hold: a fixed hold.
+    # caller's bursts (cpulatency.BurstHold): a burst of a few answers (a
+    # load) followed by another within this makes that one's hold cover
+    # such a pause (a restore's small loads one after another); a longer
+    # pause sets it back, and so do 10 s of steady bursts (a poller). At or
+    # below burst_latency_hold: a fixed hold.
     burst_latency_hold_max: float = 0.05
     # After the request thread answers a request, it reads /dev/fuse again
     # and again for this long (seconds) before it waits in poll(2), unless

@@ -9,7 +9,7 @@ import mmap
 import os
 import random
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -67,9 +67,9 @@ class Kernel:
             while not self.pushed:
                 await trio.sleep(0.01)
 
-    def pages(self) -> KernelPages:
+    def pages(self, allowed: Callable[[], bool] = lambda: True) -> KernelPages:
         try:
-            return KernelPages(self.fd, self.store)
+            return KernelPages(self.fd, self.store, allowed)
         finally:
             os.close(self.fd)
 
@@ -157,8 +157,7 @@ def test_on_a_kernel_that_keeps_no_pushed_page_coherent_nothing_is_copied(
     kernel = Kernel()
     kernel.go.set()
     coherent = [False]
-    fs.kernel_pages = KernelPages(kernel.fd, kernel.store, allowed=lambda: coherent[0])
-    os.close(kernel.fd)
+    fs.kernel_pages = kernel.pages(allowed=lambda: coherent[0])
     copies: list[tuple[int, int]] = []
     copy_in_ram = fs.cache.copy_in_ram
     monkeypatch.setattr(

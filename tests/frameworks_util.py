@@ -22,11 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +48,91 @@ FRAMEWORK_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "OMP_NUM_THREADS": "1",
 }
+
+
+# ----- an ordinary user ---------------------------------------------------------------
+# Training jobs rarely run as root: each framework test runs once as root and
+# once as nobody:nogroup, the daemon being root's either way (systemd,
+# DaemonSet, Slurm prolog).
+ORDINARY = (65534, 65534)
+AS_USER_ENV = "CKPTFS_TEST_AS"  # uid:gid a worker runs its job as
+
+
+@contextmanager
+def acting_as(user: tuple[int, int] | None) -> Iterator[None]:
+    """The body's file accesses as ``user`` (None: as root), in this process.
+
+    The effective ids (every thread's, and so the uid and gid of the FUSE
+    requests) and no supplementary groups; with a non-zero effective uid the
+    kernel also drops root's capabilities, so permission checks are the
+    user's. Everything the body imports must be imported already: the
+    interpreter may live under /root, which the user cannot read.
+    """
+    if user is None:
+        yield
+        return
+    groups = os.getgroups()
+    os.setgroups([])
+    os.setegid(user[1])
+    os.seteuid(user[0])
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+        os.setgroups(groups)
+
+
+def job_dir(path: Path, user: tuple[int, int] | None) -> Path:
+    """``path``, made by root and given to ``user``: the directory a job saves
+    into, as an administrator prepares it (the mount's root is root's)."""
+    path.mkdir()
+    if user is not None:
+        os.chown(path, *user)
+    return path
+
+
+@contextmanager
+def scratch_dir(user: tuple[int, int] | None) -> Iterator[Path]:
+    """A directory outside any mount that ``user`` can write: pytest's
+    tmp_path is root's alone (its parent is mode 700)."""
+    d = Path(tempfile.mkdtemp(prefix="ckptfs-frameworks-"))
+    try:
+        if user is not None:
+            os.chown(d, *user)
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def assert_owned(root: Path, paths: Iterable[str], user: tuple[int, int] | None) -> None:
+    """The files at ``paths`` under the mount ``root`` are the job's user's
+    (root's for None): the framework's writes reached ckptfs as that user."""
+    uid, gid = user or (0, 0)
+    owners = {p: (st.st_uid, st.st_gid) for p in paths for st in [(root / p).stat()]}
+    assert owners and all(o == (uid, gid) for o in owners.values()), owners
+
+
+def _become(spec: str) -> None:
+    """For a worker: import what its job imports later while root can read
+    it, then become ``uid:gid`` for good."""
+    import concurrent.futures  # noqa: F401 - dcp.async_save's executor
+
+    import torch._dynamo  # noqa: F401 - fully_shard's, with stdlib modules of its own
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+    import torch.distributed.device_mesh  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+
+    uid, gid = (int(x) for x in spec.split(":"))
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
+
+
+def user_env(user: tuple[int, int] | None) -> dict[str, str]:
+    """The environment that makes a worker run its job as ``user``."""
+    return {} if user is None else {AS_USER_ENV: f"{user[0]}:{user[1]}"}
 
 
 # ----- the backing directory ------------------------------------------------------
@@ -195,14 +283,18 @@ def kill_group(proc: subprocess.Popen[Any]) -> None:
         pass
 
 
-def torchrun(nproc: int, *args: str, timeout: float = 180) -> str:
+def torchrun(
+    nproc: int, *args: str, user: tuple[int, int] | None = None, timeout: float = 180
+) -> str:
+    """The worker's ranks under torch.distributed.run (root's), each rank as ``user``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    return run([*cmd, f"--nproc-per-node={nproc}", WORKER, *args], timeout=timeout)
+    cmd += [f"--nproc-per-node={nproc}", WORKER, *args]
+    return run(cmd, timeout=timeout, env=user_env(user))
 
 
-def worker(*args: str, timeout: float = 180) -> str:
-    """The worker as one plain process (world size 1, no launcher)."""
-    return run([sys.executable, WORKER, *args], timeout=timeout)
+def worker(*args: str, user: tuple[int, int] | None = None, timeout: float = 180) -> str:
+    """The worker as one plain process (world size 1, no launcher), as ``user``."""
+    return run([sys.executable, WORKER, *args], timeout=timeout, env=user_env(user))
 
 
 # ----- torch.distributed.checkpoint + FSDP2 -------------------------------------------
@@ -489,6 +581,8 @@ def main(argv: list[str]) -> None:
     s.add_argument("stop", type=Path)
     s.add_argument("--limit", type=float, default=120)
     a = p.parse_args(argv)
+    if os.environ.get(AS_USER_ENV):
+        _become(os.environ[AS_USER_ENV])
     if a.cmd == "dcp-save":
         dcp_save(a.ckpt, a.ref)
     elif a.cmd == "dcp-load":

@@ -5,32 +5,46 @@ and a resharded load with 1 rank, each on a new mount with an empty cache.
 The ranks are real processes (tests/frameworks_util.py under
 torch.distributed.run); every tensor of the model and optimizer state is
 compared with torch.equal against the full state rank 0 kept at save time.
+Once as root and once with every rank as an ordinary user.
 """
 
 from __future__ import annotations
 
-from frameworks_util import files_under, torchrun, umount_checked, worker
+import pytest
+from frameworks_util import (
+    ORDINARY,
+    assert_owned,
+    files_under,
+    job_dir,
+    scratch_dir,
+    torchrun,
+    umount_checked,
+    worker,
+)
 
 DCP_FILES = [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
 
-def test_dcp_fsdp2_save_async_save_and_resharded_loads(mounts, tmp_path):
-    ref = tmp_path / "ref"  # the expected full states, outside any mount
-    ref.mkdir()
+@pytest.mark.parametrize("user", [None, ORDINARY], ids=["root", "user"])
+def test_dcp_fsdp2_save_async_save_and_resharded_loads(shared_mounts, user):
+    mounts = shared_mounts  # under a directory every user may traverse
     expect = [f"dcp/{d}/{f}" for d in ("async", "sync") for f in DCP_FILES]
+    # ref: the expected full states, outside any mount
+    with scratch_dir(user) as ref:
+        a = mounts("a")
+        a.mount()
+        job_dir(a.mnt / "dcp", user)
+        out = torchrun(2, "dcp-save", str(a.mnt / "dcp"), str(ref), user=user)
+        assert "dcp-save ok rank 0" in out and "dcp-save ok rank 1" in out
+        assert files_under(a.mnt) == sorted(expect)
+        assert_owned(a.mnt, expect, user)
+        umount_checked(a, expect)
 
-    a = mounts("a")
-    a.mount()
-    out = torchrun(2, "dcp-save", str(a.mnt / "dcp"), str(ref))
-    assert "dcp-save ok rank 0" in out and "dcp-save ok rank 1" in out
-    assert files_under(a.mnt) == sorted(expect)
-    umount_checked(a, expect)
-
-    for name in ("b", "c"):
-        m = mounts(name)  # same backing directory, new empty cache
-        m.mount()
-        out = torchrun(2, "dcp-load", str(m.mnt / "dcp"), str(ref))
-        assert "dcp-load ok rank 0 world 2" in out and "dcp-load ok rank 1 world 2" in out
-        out = worker("dcp-load", str(m.mnt / "dcp"), str(ref))  # resharded: 1 rank
-        assert "dcp-load ok rank 0 world 1" in out
-        umount_checked(m, expect)
+        for name in ("b", "c"):
+            m = mounts(name)  # same backing directory, new empty cache
+            m.mount()
+            out = torchrun(2, "dcp-load", str(m.mnt / "dcp"), str(ref), user=user)
+            assert "dcp-load ok rank 0 world 2" in out and "dcp-load ok rank 1 world 2" in out
+            out = worker("dcp-load", str(m.mnt / "dcp"), str(ref), user=user)  # resharded
+            assert "dcp-load ok rank 0 world 1" in out
+            umount_checked(m, expect)

@@ -6,7 +6,8 @@ trained on a small in-memory dataset with ``save_steps`` and
 ``resume_from_checkpoint=True``: the global step goes on from the last
 checkpoint, and the weights and optimizer state it starts from are exactly the
 saved ones. A third mount loads every remaining checkpoint again with
-``from_pretrained`` and torch.load.
+``from_pretrained`` and torch.load. Once as root and once as an ordinary user
+(the daemon is root's either way).
 """
 
 from __future__ import annotations
@@ -21,8 +22,17 @@ for _k, _v in FRAMEWORK_ENV.items():  # before transformers / huggingface_hub ar
 
 import json  # noqa: E402
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
-from frameworks_util import assert_same, clone_tree, umount_checked  # noqa: E402
+from frameworks_util import (  # noqa: E402
+    ORDINARY,
+    acting_as,
+    assert_owned,
+    assert_same,
+    clone_tree,
+    job_dir,
+    umount_checked,
+)
 from safetensors.torch import load_file  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 from transformers import (  # noqa: E402
@@ -140,40 +150,48 @@ def check_checkpoint(ckpt, saved: dict) -> None:
     torch.load(ckpt / "rng_state.pth", weights_only=False)
 
 
-def test_hf_trainer_save_total_limit_and_resume(mounts):
+@pytest.mark.parametrize("user", [None, ORDINARY], ids=["root", "user"])
+def test_hf_trainer_save_total_limit_and_resume(shared_mounts, user):
+    mounts = shared_mounts  # under a directory every user may traverse
     a = mounts("a")
     a.mount()
-    out = a.mnt / "hf"
-    first = train(out, max_steps=6, seed=0, resume=False)
-    assert sorted(first.saved) == [2, 4, 6]
-    assert checkpoints(out) == ["checkpoint-4", "checkpoint-6"]  # checkpoint-2 was rotated out
-    files = sorted(p.name for p in (out / "checkpoint-6").iterdir())
+    out = job_dir(a.mnt / "hf", user)
+    with acting_as(user):
+        first = train(out, max_steps=6, seed=0, resume=False)
+        assert sorted(first.saved) == [2, 4, 6]
+        assert checkpoints(out) == ["checkpoint-4", "checkpoint-6"]  # checkpoint-2 rotated out
+        files = sorted(p.name for p in (out / "checkpoint-6").iterdir())
     for f in ("model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json"):
         assert f in files, files
     expect = [f"hf/checkpoint-{s}/{f}" for s in (4, 6) for f in files]
+    assert_owned(a.mnt, expect, user)
     umount_checked(a, expect)
 
     b = mounts("b")
     b.mount()
     out = b.mnt / "hf"
-    second = train(out, max_steps=10, seed=1, resume=True)
+    with acting_as(user):
+        second = train(out, max_steps=10, seed=1, resume=True)
     resumed = first.saved[6]
     assert second.began["global_step"] == 6
     assert second.steps[0] == 7 and second.steps[-1] == 10
     for part in ("model", "optimizer", "scheduler"):
         assert_same(resumed[part], second.began[part], f"resumed {part}")
     assert sorted(second.saved) == [8, 10]
-    assert checkpoints(out) == ["checkpoint-10", "checkpoint-8"]
     saved = {**first.saved, **second.saved}
-    for s in (8, 10):
-        check_checkpoint(out / f"checkpoint-{s}", saved[s])
+    with acting_as(user):
+        assert checkpoints(out) == ["checkpoint-10", "checkpoint-8"]
+        for s in (8, 10):
+            check_checkpoint(out / f"checkpoint-{s}", saved[s])
     expect = [f"hf/checkpoint-{s}/{f}" for s in (8, 10) for f in files]
+    assert_owned(b.mnt, expect, user)
     umount_checked(b, expect)
 
     c = mounts("c")
     c.mount()
     out = c.mnt / "hf"
-    assert checkpoints(out) == ["checkpoint-10", "checkpoint-8"]
-    for s in (8, 10):
-        check_checkpoint(out / f"checkpoint-{s}", saved[s])
+    with acting_as(user):
+        assert checkpoints(out) == ["checkpoint-10", "checkpoint-8"]
+        for s in (8, 10):
+            check_checkpoint(out / f"checkpoint-{s}", saved[s])
     umount_checked(c, expect)

@@ -17,6 +17,9 @@ ModelCheckpoint restores its top-k state only if ``dirpath`` (resolved) is the
 same as when it was saved, so, like a job that mounts ckptfs at its checkpoint
 directory every time, mounts B and C use A's mountpoint (each with its own new,
 empty cache).
+
+Each case runs once as root and once as an ordinary user (the daemon is
+root's either way).
 """
 
 from __future__ import annotations
@@ -27,7 +30,17 @@ import tempfile
 import pytest
 import pytorch_lightning as pl
 import torch
-from frameworks_util import assert_same, clone_tree, files_under, umount_checked
+from frameworks_util import (
+    ORDINARY,
+    acting_as,
+    assert_owned,
+    assert_same,
+    clone_tree,
+    files_under,
+    job_dir,
+    scratch_dir,
+    umount_checked,
+)
 from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 from torch.nn import functional as F
@@ -122,11 +135,16 @@ def check_files(ckpt_dir, saved: dict, top: list[int], save_last) -> None:
     assert torch.load(last, weights_only=False)["epoch"] == top[-1]
 
 
+@pytest.mark.parametrize("user", [None, ORDINARY], ids=["root", "user"])
 @pytest.mark.parametrize("save_last", [True, "link"])
-def test_lightning_topk_last_and_resume(mounts, tmp_path, monkeypatch, save_last):
-    staging = tmp_path / "tmpdir"
-    staging.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(staging))  # Lightning's TMPDIR
+def test_lightning_topk_last_and_resume(shared_mounts, monkeypatch, save_last, user):
+    mounts = shared_mounts  # under a directory every user may traverse
+    with scratch_dir(user) as staging:
+        monkeypatch.setattr(tempfile, "tempdir", str(staging))  # Lightning's TMPDIR
+        run_topk_last_and_resume(mounts, staging, save_last, user)
+
+
+def run_topk_last_and_resume(mounts, staging, save_last, user) -> None:
     top_a, top_b = [1, 3], [3, 5]
     expect_a = [f"lightning/{name(e)}" for e in top_a]
     expect_b = [f"lightning/{name(e)}" for e in top_b]
@@ -136,17 +154,21 @@ def test_lightning_topk_last_and_resume(mounts, tmp_path, monkeypatch, save_last
 
     a = mounts("a")
     a.mount()
-    first = fit(a.mnt / "lightning", save_last, max_epochs=4, seed=0)
-    saved = dict(first.saved)
+    ckpt_dir = job_dir(a.mnt / "lightning", user)
+    with acting_as(user):
+        first = fit(ckpt_dir, save_last, max_epochs=4, seed=0)
+        saved = dict(first.saved)
+        check_files(ckpt_dir, saved, top_a, save_last)
     assert first.resumed["global_step"] == 0
     assert sorted({e for e, _ in saved}) == [0, 1, 2, 3]
-    check_files(a.mnt / "lightning", saved, top_a, save_last)
     assert list(staging.iterdir()) == []  # every staged copy was moved into the mount
+    assert_owned(a.mnt, expect_a, user)
     umount_checked(a, expect_a)
 
     b = mounts("b")
     mount_at(b, a.mnt)
-    second = fit(b.mnt / "lightning", save_last, max_epochs=6, seed=1, ckpt_path="last")
+    with acting_as(user):
+        second = fit(b.mnt / "lightning", save_last, max_epochs=6, seed=1, ckpt_path="last")
     last_saved = saved[(3, 4 * STEPS_PER_EPOCH)]
     assert second.resumed["epoch"] == 4
     assert second.resumed["global_step"] == 4 * STEPS_PER_EPOCH
@@ -156,14 +178,17 @@ def test_lightning_topk_last_and_resume(mounts, tmp_path, monkeypatch, save_last
     )
     assert sorted({e for e, _ in second.saved}) == [4, 5]
     saved.update(second.saved)
-    check_files(b.mnt / "lightning", saved, top_b, save_last)
+    with acting_as(user):
+        check_files(b.mnt / "lightning", saved, top_b, save_last)
     assert list(staging.iterdir()) == []
+    assert_owned(b.mnt, expect_b, user)
     umount_checked(b, expect_b)
 
     c = mounts("c")
     mount_at(c, a.mnt)
-    check_files(c.mnt / "lightning", saved, top_b, save_last)
-    # Lightning's own loading code, through last.ckpt.
-    restored = Tiny.load_from_checkpoint(c.mnt / "lightning" / "last.ckpt", seed=2)
+    with acting_as(user):
+        check_files(c.mnt / "lightning", saved, top_b, save_last)
+        # Lightning's own loading code, through last.ckpt.
+        restored = Tiny.load_from_checkpoint(c.mnt / "lightning" / "last.ckpt", seed=2)
     assert_same(saved[(5, 6 * STEPS_PER_EPOCH)]["state_dict"], restored.state_dict(), "restored")
     umount_checked(c, expect_b)

@@ -1,11 +1,13 @@
 """safetensors through the mount: ``save_file``, ``load_file`` and
 ``safe_open(..., framework="pt")`` (which mmaps the file), on the mount that
-wrote it and on two new mounts with empty caches."""
+wrote it and on two new mounts with empty caches; once as root and once as
+an ordinary user."""
 
 from __future__ import annotations
 
+import pytest
 import torch
-from frameworks_util import assert_same, umount_checked
+from frameworks_util import ORDINARY, acting_as, assert_owned, assert_same, job_dir, umount_checked
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -40,22 +42,30 @@ def check_reads(path, expected):
                 assert torch.equal(f.get_slice(k)[60:90, 7:9], expected[k][60:90, 7:9])
 
 
-def test_safetensors_save_load_safe_open(mounts):
+@pytest.mark.parametrize("user", [None, ORDINARY], ids=["root", "user"])
+def test_safetensors_save_load_safe_open(shared_mounts, user):
+    mounts = shared_mounts  # under a directory every user may traverse
     expected = tensors()
     files = ["st/model.safetensors", "st/small.safetensors"]
+    small = {k: v for k, v in expected.items() if k != "embed.weight"}
 
     a = mounts("a")
     a.mount()
-    (a.mnt / "st").mkdir()
-    save_file(expected, a.mnt / files[0], metadata=METADATA)
-    small = {k: v for k, v in expected.items() if k != "embed.weight"}
-    save_file(small, a.mnt / files[1], metadata=METADATA)
-    check_reads(a.mnt / files[0], expected)  # from the RAM cache
+    job_dir(a.mnt / "st", user)
+    with acting_as(user):
+        save_file(expected, a.mnt / files[0], metadata=METADATA)
+        save_file(small, a.mnt / files[1], metadata=METADATA)
+        check_reads(a.mnt / files[0], expected)  # from the RAM cache
+    assert_owned(a.mnt, files, user)
+    if user is not None:  # the user's own permissions, not root's: the mount's root is root's
+        with acting_as(user), pytest.raises(PermissionError):
+            open(a.mnt / "not-the-users.safetensors", "wb").close()
     umount_checked(a, files)
 
     for name in ("b", "c"):
         m = mounts(name)
         m.mount()
-        check_reads(m.mnt / files[0], expected)
-        check_reads(m.mnt / files[1], small)
+        with acting_as(user):
+            check_reads(m.mnt / files[0], expected)
+            check_reads(m.mnt / files[1], small)
         umount_checked(m, files)

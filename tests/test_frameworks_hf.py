@@ -29,6 +29,7 @@ from frameworks_util import (  # noqa: E402
     acting_as,
     assert_owned,
     assert_same,
+    backing_manifests,
     clone_tree,
     job_dir,
     umount_checked,
@@ -195,3 +196,33 @@ def test_hf_trainer_save_total_limit_and_resume(shared_mounts, user):
         for s in (8, 10):
             check_checkpoint(out / f"checkpoint-{s}", saved[s])
     umount_checked(c, expect)
+
+
+def test_hf_trainer_resumes_after_its_daemon_died_before_the_checkpoints_were_durable(mounts):
+    """The node's daemon is killed while the Trainer's checkpoints are only in
+    its RAM cache (the flusher slowed to a crawl): the remount on that node
+    (the same cache directory) recovers them from the cache's journal, the
+    checkpoint the rotation deleted stays deleted, the job resumes from the
+    last one, and everything ends durable."""
+    a = mounts("a")
+    a.mount(env={"CKPTFS_FLUSH_BANDWIDTH": "16KiB"})
+    out = a.mnt / "hf"
+    first = train(out, max_steps=6, seed=0, resume=False)
+    assert checkpoints(out) == ["checkpoint-4", "checkpoint-6"]
+    files = sorted(p.name for p in (out / "checkpoint-6").iterdir())
+    pending = [p for p, b in backing_manifests(a.backing).items() if b["state"] != "durable"]
+    assert any(p.startswith("hf/checkpoint-6/") for p in pending), pending  # else nothing to test
+    a.kill()
+
+    a.mount()
+    a.allowed_log = ["recovered"]
+    assert checkpoints(out) == ["checkpoint-4", "checkpoint-6"]  # checkpoint-2 not back
+    for s in (4, 6):
+        assert sorted(p.name for p in (out / f"checkpoint-{s}").iterdir()) == files
+        check_checkpoint(out / f"checkpoint-{s}", first.saved[s])
+    second = train(out, max_steps=8, seed=1, resume=True)
+    assert second.began["global_step"] == 6 and second.steps == [7, 8]
+    for part in ("model", "optimizer", "scheduler"):
+        assert_same(first.saved[6][part], second.began[part], f"resumed {part}")
+    assert checkpoints(out) == ["checkpoint-6", "checkpoint-8"]
+    umount_checked(a, [f"hf/checkpoint-{s}/{f}" for s in (6, 8) for f in files])

@@ -227,6 +227,20 @@ class Cache:
                 return f
         return None
 
+    def holds(self, file_id: str, version: str) -> bool:
+        """Whether the bytes of the published ``version`` of ``file_id`` are
+        here, or a newer version is being written here (its close publishes
+        it): what `ckptfs check` asks the holders a pending manifest names. A
+        file that was being written when its daemon died is neither."""
+        if self.held_version(file_id, version) is not None:
+            return True
+        f = self.files.get(file_id)
+        return (
+            f is not None
+            and f.role is FileRole.LOCAL
+            and f.state in (FileState.MODIFIED, FileState.PUBLISHING)
+        )
+
     def changing(self, file_id: str, *, writer_alive: Callable[[str], bool]) -> bool:
         """Whether this node's content of ``file_id`` is being changed (its
         writer here rewrites it in place, or a buddy's mirror of it takes

@@ -224,6 +224,7 @@ class Daemon:
         return {
             "ping": control.Route(self._ping, privileged=False),
             "stat": control.Route(self._stat, privileged=False),
+            "holds": control.Route(self._holds, privileged=False),
             "flush": control.Route(self._flush, privileged=True),
             "evict": control.Route(self._evict, privileged=True),
             "unmount": control.Route(self._unmount, privileged=True),
@@ -237,6 +238,16 @@ class Daemon:
             "backing": str(self.core.backing_root),
             "node": self.config.node,
         }
+
+    async def _holds(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Which of the (file id, version) pairs this node holds (Cache.holds)."""
+        files = req.get("files")
+        if not isinstance(files, list) or not all(
+            isinstance(x, list) and len(x) == 2 and all(isinstance(y, str) for y in x)
+            for x in files
+        ):
+            raise ValueError("'files' must be a list of [file id, version] pairs")
+        return {"ok": True, "held": [self.core.cache.holds(i, v) for i, v in files]}
 
     async def _stat(self, req: dict[str, Any]) -> dict[str, Any]:
         core = self.core

@@ -21,18 +21,24 @@ mount; then the final file goes through the mount lifecycle.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 from frameworks_util import (
     REPLACE_FIRST,
     WORKER,
     assert_same,
+    backing_manifests,
     files_under,
     kill_group,
     replace_version,
@@ -166,3 +172,66 @@ def test_replace_while_other_processes_load(mounts, tmp_path, record_property):
         assert_same(expected, torch.load(path, weights_only=True), f"mount {name}")
         assert_same(expected, torch.load(path, mmap=True, weights_only=True), f"mount {name} mmap")
         umount_checked(m, ["replace/model.pt"])
+
+
+class _DiesMidway:
+    """The file object a ``torch.save`` writes through: once ``after`` bytes
+    went through, the daemon is killed before the next write."""
+
+    def __init__(self, f: Any, after: int, kill: Callable[[], None]) -> None:
+        self.f, self.after, self.kill = f, after, kill
+        self.written = 0
+        self.killed = False
+
+    def write(self, data: bytes) -> int:
+        if not self.killed and self.written >= self.after:
+            self.killed = True
+            self.kill()
+        n = self.f.write(data)
+        self.written += n
+        return n
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def test_a_save_cut_short_by_its_daemons_death_leaves_the_last_checkpoint(mounts):
+    """The daemon dies halfway through ``torch.save`` to the temporary name
+    (neither checkpoint durable yet: the flusher is slowed). The save fails;
+    the remount on that node (the same cache directory) serves the last
+    checkpoint whole, and ``ckptfs check`` reports the half-written temporary
+    file lost (as ``ckptfs stat`` does once it was opened) until the job
+    removes it."""
+    a = mounts("a")
+    a.mount(env={"CKPTFS_FLUSH_BANDWIDTH": "64KiB"})
+    d = a.mnt / "replace"
+    d.mkdir()
+    torch.save(replace_version(1), d / "model.pt.tmp")
+    os.replace(d / "model.pt.tmp", d / "model.pt")
+    assert backing_manifests(a.backing)["replace/model.pt"]["state"] == "pending"
+
+    f = open(d / "model.pt.tmp", "wb")
+    try:
+        with pytest.raises(OSError) as cut:
+            torch.save(replace_version(2), _DiesMidway(f, 256 << 10, a.kill))
+        assert cut.value.errno == errno.ENOTCONN
+    finally:
+        with contextlib.suppress(OSError):
+            f.close()
+
+    a.mount()
+    a.allowed_log = ["recovered", "is lost"]
+    assert files_under(a.mnt) == ["replace/model.pt", "replace/model.pt.tmp"]
+    assert_same(replace_version(1), torch.load(d / "model.pt", weights_only=True))
+    assert_same(replace_version(1), torch.load(d / "model.pt", mmap=True, weights_only=True))
+    check = a.cli("check", str(a.backing), check=False)
+    assert check.returncode == 1, check.stdout
+    assert "model.pt.tmp: pending" in check.stdout, check.stdout
+    assert "does not hold its bytes" in check.stdout, check.stdout
+    assert (d / "model.pt.tmp").stat().st_size == 0  # its create's manifest: no bytes
+    with pytest.raises(EOFError):
+        torch.load(d / "model.pt.tmp", weights_only=True)
+    assert [x["path"] for x in a.stat()["lost"]] == ["replace/model.pt.tmp"]  # once opened
+    (d / "model.pt.tmp").unlink()  # the job's next save to that name would replace it too
+    assert a.cli("check", str(a.backing), check=False).returncode == 0
+    umount_checked(a, ["replace/model.pt"])

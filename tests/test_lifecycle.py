@@ -291,6 +291,20 @@ def test_check_reports_pending_files_and_fails_for_those_no_daemon_holds(mounts)
     (m.mnt / "held.bin").write_bytes(rand(8 * MiB, 8))
     out = m.cli("check", str(m.backing)).stdout
     assert "held.bin: pending" in out and "held by the running daemon" in out, out
+    with open(m.mnt / "writing.bin", "wb") as f:  # being written: its create's manifest
+        f.write(rand(MiB, 9))
+        f.flush()
+        out = m.cli("check", str(m.backing)).stdout
+        assert "writing.bin: pending" in out and "held by the running daemon" in out, out
+    # Naming this node, which never had its bytes (its writer's daemon died).
+    write_manifest(
+        m.backing / "ghost.pt",
+        Manifest("g" * 16, "w" * 16, 1000, 0o644, 0, "pending", [m.stat()["node"]]),
+    )
+    proc = m.cli("check", str(m.backing), check=False)
+    assert proc.returncode == 1, proc.stdout
+    assert "ghost.pt: pending" in proc.stdout and "does not hold its bytes" in proc.stdout
+    (m.backing / "ghost.pt").unlink()
     write_manifest(
         m.backing / "orphan.pt",
         Manifest("f" * 16, "v" * 16, 1000, 0o644, 0, "pending", ["gone-node"]),

@@ -29,6 +29,8 @@ class PendingFile:
     holders: tuple[str, ...]
     age: float  # seconds since the manifest was last written
     covered: bool  # its chunk list accounts for every byte (an empty file)
+    file_id: str
+    version: str
 
 
 @dataclass
@@ -78,7 +80,15 @@ def check(backing: Path, path: Path | None = None, *, verify_data: bool = True) 
             except OSError:
                 age = 0.0
             result.pending.append(
-                PendingFile(file, manifest.size, tuple(manifest.holders), age, manifest.covered())
+                PendingFile(
+                    file,
+                    manifest.size,
+                    tuple(manifest.holders),
+                    age,
+                    manifest.covered(),
+                    manifest.file_id,
+                    manifest.version,
+                )
             )
             continue
         for chunk in manifest.chunks:

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from ..fs.walk import find_backing_root
-from .check import check
+from .check import PendingFile, check
 from .control import ControlError, find_mount, live_daemons, request
 from .export import export
 from .gc import collect_garbage
@@ -81,19 +81,33 @@ def cmd_check(args: argparse.Namespace) -> int:
     for problem in result.problems:
         print(f"ckptfs: error: {problem}")
     # Daemons of this node that serve this backing directory: they hold the
-    # bytes of pending manifests that name them.
+    # bytes of pending manifests that name them, unless they were being
+    # written when a daemon died (each is asked: Cache.holds).
     serving = {
         str(d.get("node")): str(d.get("mountpoint"))
         for d in live_daemons()
         if os.path.realpath(str(d["backing"])) == os.path.realpath(root)
     }
+    held = {
+        node: _held(mountpoint, [p for p in result.pending if node in p.holders])
+        for node, mountpoint in serving.items()
+    }
     unrecoverable = []
     for p in result.pending:
         holders = ", ".join(p.holders) or "none"
-        where = next((f"{serving[h]} (node {h})" for h in p.holders if h in serving), None)
+        running = [h for h in p.holders if h in serving]
+        holding = [h for h in running if held[h].get(p.path, True)]
         line = f"{p.path}: pending, {p.size} bytes, holders {holders}, age {p.age:.0f}s"
-        if where is not None:
+        if holding:
+            where = f"{serving[holding[0]]} (node {holding[0]})"
             print(f"{line}: held by the running daemon of {where}")
+        elif running:
+            unrecoverable.append(p)
+            where = ", ".join(f"{serving[h]} (node {h})" for h in running)
+            print(
+                f"ckptfs: error: {line}: lost: the running daemon of {where} does not hold "
+                "its bytes (it was being written when its daemon died); rewrite or remove it"
+            )
         elif p.covered:
             print(f"{line}: empty, nothing to lose")
         else:
@@ -113,6 +127,23 @@ def cmd_check(args: argparse.Namespace) -> int:
         f"{result.plain} plain file(s), {len(result.pending)} pending: {status}"
     )
     return 0 if result.ok and not unrecoverable else 1
+
+
+def _held(mountpoint: str, pending: list[PendingFile]) -> dict[Path, bool]:
+    """Whether the daemon of ``mountpoint`` holds each pending file's bytes;
+    if it cannot be asked, it is taken to hold them (a warning says so)."""
+    if not pending:
+        return {}
+    try:
+        reply = request(
+            Path(mountpoint), {"op": "holds", "files": [[p.file_id, p.version] for p in pending]}
+        )
+        if not reply.get("ok"):
+            raise ControlError(str(reply.get("error")))
+        return {p.path: bool(h) for p, h in zip(pending, reply["held"], strict=True)}
+    except (ControlError, OSError, ValueError, KeyError) as exc:
+        print(f"ckptfs: warning: could not ask the daemon of {mountpoint} what it holds: {exc}")
+        return {}
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -351,7 +351,7 @@ def _dcp_full_state(model: Any, opt: Any) -> dict[str, Any]:
     return clone_tree({"model": msd, "optim": osd})
 
 
-def dcp_save(ckpt_root: Path, ref: Path) -> None:
+def dcp_save(ckpt_root: Path, ref: Path, seed: int = 0) -> None:
     """``dcp.save`` into ckpt_root/sync and ``dcp.async_save`` into ckpt_root/async.
 
     Rank 0 also writes the full state of each (outside the mount) for the loads
@@ -363,7 +363,7 @@ def dcp_save(ckpt_root: Path, ref: Path) -> None:
 
     _init_dist()
     rank = dist.get_rank()
-    model, opt = _dcp_model(seed=0)
+    model, opt = _dcp_model(seed=seed)
     for step in range(2):
         _dcp_train_step(model, opt, step)
 
@@ -405,7 +405,7 @@ def dcp_load(ckpt_root: Path, ref: Path, tmp: Path) -> None:
     _init_dist(tmp)
     rank, world = dist.get_rank(), dist.get_world_size()
     for name in ("sync", "async"):
-        model, opt = _dcp_model(seed=1)  # other initial weights than the saved ones
+        model, opt = _dcp_model(seed=1000)  # other initial weights than the saved ones
         expected = torch.load(ref / f"{name}.pt", weights_only=True)
         assert not torch.equal(
             _dcp_full_state(model, opt)["model"]["1.weight"], expected["model"]["1.weight"]
@@ -565,6 +565,7 @@ def main(argv: list[str]) -> None:
     s = sub.add_parser("dcp-save")
     s.add_argument("ckpt", type=Path)
     s.add_argument("ref", type=Path)
+    s.add_argument("--seed", type=int, default=0, help="the model's initial weights")
     s = sub.add_parser("dcp-load")
     s.add_argument("ckpt", type=Path)
     s.add_argument("ref", type=Path)
@@ -584,7 +585,7 @@ def main(argv: list[str]) -> None:
     if os.environ.get(AS_USER_ENV):
         _become(os.environ[AS_USER_ENV])
     if a.cmd == "dcp-save":
-        dcp_save(a.ckpt, a.ref)
+        dcp_save(a.ckpt, a.ref, a.seed)
     elif a.cmd == "dcp-load":
         dcp_load(a.ckpt, a.ref, a.ref)
     elif a.cmd == "megatron-save":

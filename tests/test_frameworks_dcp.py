@@ -81,3 +81,34 @@ def test_dcp_loads_after_its_daemon_died_before_the_checkpoint_was_durable(mount
     out = torchrun(2, "dcp-load", str(b.mnt / "dcp"), str(ref))
     assert "dcp-load ok rank 0 world 2" in out and "dcp-load ok rank 1 world 2" in out
     umount_checked(b, expect)
+
+
+def test_dcp_saves_over_the_checkpoint_it_resumed_from(mounts, tmp_path):
+    """A resumed job saves again under the same checkpoint id: DCP rewrites
+    every file of it in place (``.metadata`` and each rank's file), over files
+    this mount read from the backing store after a cold remount. The next cold
+    mount loads the second save's state, with 2 ranks and with 1."""
+    first, second = tmp_path / "ref-first", tmp_path / "ref-second"
+    first.mkdir()
+    second.mkdir()
+    expect = [f"dcp/{d}/{f}" for d in ("async", "sync") for f in DCP_FILES]
+    a = mounts("a")
+    a.mount()
+    torchrun(2, "dcp-save", str(a.mnt / "dcp"), str(first))
+    umount_checked(a, expect)
+
+    b = mounts("b")
+    b.mount()
+    out = torchrun(2, "dcp-load", str(b.mnt / "dcp"), str(first))
+    assert "dcp-load ok rank 0 world 2" in out and "dcp-load ok rank 1 world 2" in out
+    out = torchrun(2, "dcp-save", str(b.mnt / "dcp"), str(second), "--seed", "1")
+    assert "dcp-save ok rank 0" in out and "dcp-save ok rank 1" in out
+    umount_checked(b, expect)
+
+    c = mounts("c")
+    c.mount()
+    out = torchrun(2, "dcp-load", str(c.mnt / "dcp"), str(second))
+    assert "dcp-load ok rank 0 world 2" in out and "dcp-load ok rank 1 world 2" in out
+    out = worker("dcp-load", str(c.mnt / "dcp"), str(second))
+    assert "dcp-load ok rank 0 world 1" in out
+    umount_checked(c, expect)

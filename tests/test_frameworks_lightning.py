@@ -25,7 +25,9 @@ root's either way).
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
@@ -138,13 +140,37 @@ def check_files(ckpt_dir, saved: dict, top: list[int], save_last) -> None:
 @pytest.mark.parametrize("user", [None, ORDINARY], ids=["root", "user"])
 @pytest.mark.parametrize("save_last", [True, "link"])
 def test_lightning_topk_last_and_resume(shared_mounts, monkeypatch, save_last, user):
-    mounts = shared_mounts  # under a directory every user may traverse
+    # shared_mounts: under a directory every user may traverse
     with scratch_dir(user) as staging:
         monkeypatch.setattr(tempfile, "tempdir", str(staging))  # Lightning's TMPDIR
-        run_topk_last_and_resume(mounts, staging, save_last, user)
+        run_topk_last_and_resume(shared_mounts, monkeypatch, lambda mnt: staging, save_last, user)
 
 
-def run_topk_last_and_resume(mounts, staging, save_last, user) -> None:
+@pytest.mark.parametrize("user", [None, ORDINARY], ids=["root", "user"])
+def test_lightning_with_its_tmpdir_in_the_mount(shared_mounts, monkeypatch, user):
+    """The setting this README advises: TMPDIR inside the mount, so that each
+    checkpoint is staged there and renamed into place, not copied."""
+
+    def staging(mnt):
+        d = mnt / "tmp"
+        if not d.exists():  # made on the first mount; the later ones find it
+            job_dir(d, user)
+        monkeypatch.setattr(tempfile, "tempdir", str(d))
+        return d
+
+    run_topk_last_and_resume(shared_mounts, monkeypatch, staging, True, user)
+
+
+def run_topk_last_and_resume(mounts, monkeypatch, staging_in, save_last, user) -> None:
+    """``staging_in(mountpoint)``: Lightning's TMPDIR, set by then."""
+    staged = []  # where each checkpoint Lightning moved into place was written
+    move = shutil.move
+
+    def moving(src, dst, *args, **kwargs):
+        staged.append(Path(src).parent)
+        return move(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "move", moving)  # fsspec's commit of the staged file
     top_a, top_b = [1, 3], [3, 5]
     expect_a = [f"lightning/{name(e)}" for e in top_a]
     expect_b = [f"lightning/{name(e)}" for e in top_b]
@@ -154,6 +180,7 @@ def run_topk_last_and_resume(mounts, staging, save_last, user) -> None:
 
     a = mounts("a")
     a.mount()
+    staging = staging_in(a.mnt)
     ckpt_dir = job_dir(a.mnt / "lightning", user)
     with acting_as(user):
         first = fit(ckpt_dir, save_last, max_epochs=4, seed=0)
@@ -162,11 +189,13 @@ def run_topk_last_and_resume(mounts, staging, save_last, user) -> None:
     assert first.resumed["global_step"] == 0
     assert sorted({e for e, _ in saved}) == [0, 1, 2, 3]
     assert list(staging.iterdir()) == []  # every staged copy was moved into the mount
+    assert staged and set(staged) == {staging}, staged
     assert_owned(a.mnt, expect_a, user)
     umount_checked(a, expect_a)
 
     b = mounts("b")
     mount_at(b, a.mnt)
+    staging = staging_in(b.mnt)
     with acting_as(user):
         second = fit(b.mnt / "lightning", save_last, max_epochs=6, seed=1, ckpt_path="last")
     last_saved = saved[(3, 4 * STEPS_PER_EPOCH)]

@@ -51,36 +51,39 @@ def test_dcp_fsdp2_save_async_save_and_resharded_loads(shared_mounts, user):
             umount_checked(m, expect)
 
 
-def test_dcp_loads_after_its_daemon_died_before_the_checkpoint_was_durable(mounts, tmp_path):
+@pytest.mark.parametrize("user", [None, ORDINARY], ids=["root", "user"])
+def test_dcp_loads_after_its_daemon_died_before_the_checkpoint_was_durable(shared_mounts, user):
     """The node's daemon is killed while the ranks' files and ``.metadata``
     are only in its RAM cache (the flusher slowed to a crawl): the remount on
     that node (the same cache directory) recovers them from the cache's
-    journal, and 2 ranks, 1 rank, and then another node's new mount load it."""
-    ref = tmp_path / "ref"
-    ref.mkdir()
+    journal, still the user's, and 2 ranks, 1 rank, and then another node's
+    new mount load it."""
     expect = [f"dcp/{d}/{f}" for d in ("async", "sync") for f in DCP_FILES]
-    a = mounts("a")
-    a.mount(env={"CKPTFS_FLUSH_BANDWIDTH": "4KiB"})
-    out = torchrun(2, "dcp-save", str(a.mnt / "dcp"), str(ref))
-    assert "dcp-save ok rank 0" in out and "dcp-save ok rank 1" in out
-    pending = [p for p, b in backing_manifests(a.backing).items() if b["state"] != "durable"]
-    assert "dcp/async/.metadata" in pending, pending  # else the kill tests nothing
-    a.kill()
+    with scratch_dir(user) as ref:
+        a = shared_mounts("a")
+        a.mount(env={"CKPTFS_FLUSH_BANDWIDTH": "4KiB"})
+        job_dir(a.mnt / "dcp", user)
+        out = torchrun(2, "dcp-save", str(a.mnt / "dcp"), str(ref), user=user)
+        assert "dcp-save ok rank 0" in out and "dcp-save ok rank 1" in out
+        pending = [p for p, b in backing_manifests(a.backing).items() if b["state"] != "durable"]
+        assert "dcp/async/.metadata" in pending, pending  # else the kill tests nothing
+        a.kill()
 
-    a.mount()
-    a.allowed_log = ["recovered"]
-    assert files_under(a.mnt) == sorted(expect)
-    out = torchrun(2, "dcp-load", str(a.mnt / "dcp"), str(ref))
-    assert "dcp-load ok rank 0 world 2" in out and "dcp-load ok rank 1 world 2" in out
-    out = worker("dcp-load", str(a.mnt / "dcp"), str(ref))
-    assert "dcp-load ok rank 0 world 1" in out
-    umount_checked(a, expect)
+        a.mount()
+        a.allowed_log = ["recovered"]
+        assert files_under(a.mnt) == sorted(expect)
+        assert_owned(a.mnt, expect, user)
+        out = torchrun(2, "dcp-load", str(a.mnt / "dcp"), str(ref), user=user)
+        assert "dcp-load ok rank 0 world 2" in out and "dcp-load ok rank 1 world 2" in out
+        out = worker("dcp-load", str(a.mnt / "dcp"), str(ref), user=user)
+        assert "dcp-load ok rank 0 world 1" in out
+        umount_checked(a, expect)
 
-    b = mounts("b")
-    b.mount()
-    out = torchrun(2, "dcp-load", str(b.mnt / "dcp"), str(ref))
-    assert "dcp-load ok rank 0 world 2" in out and "dcp-load ok rank 1 world 2" in out
-    umount_checked(b, expect)
+        b = shared_mounts("b")
+        b.mount()
+        out = torchrun(2, "dcp-load", str(b.mnt / "dcp"), str(ref), user=user)
+        assert "dcp-load ok rank 0 world 2" in out and "dcp-load ok rank 1 world 2" in out
+        umount_checked(b, expect)
 
 
 def test_dcp_saves_over_the_checkpoint_it_resumed_from(mounts, tmp_path):

@@ -198,31 +198,38 @@ def test_hf_trainer_save_total_limit_and_resume(shared_mounts, user):
     umount_checked(c, expect)
 
 
-def test_hf_trainer_resumes_after_its_daemon_died_before_the_checkpoints_were_durable(mounts):
+@pytest.mark.parametrize("user", [None, ORDINARY], ids=["root", "user"])
+def test_hf_trainer_resumes_after_its_daemon_died_before_the_checkpoints_were_durable(
+    shared_mounts, user
+):
     """The node's daemon is killed while the Trainer's checkpoints are only in
     its RAM cache (the flusher slowed to a crawl): the remount on that node
-    (the same cache directory) recovers them from the cache's journal, the
-    checkpoint the rotation deleted stays deleted, the job resumes from the
-    last one, and everything ends durable."""
-    a = mounts("a")
+    (the same cache directory) recovers them from the cache's journal, still
+    the user's, the checkpoint the rotation deleted stays deleted, the job
+    resumes from the last one (and rotates out a recovered one), and
+    everything ends durable."""
+    a = shared_mounts("a")
     a.mount(env={"CKPTFS_FLUSH_BANDWIDTH": "16KiB"})
-    out = a.mnt / "hf"
-    first = train(out, max_steps=6, seed=0, resume=False)
-    assert checkpoints(out) == ["checkpoint-4", "checkpoint-6"]
-    files = sorted(p.name for p in (out / "checkpoint-6").iterdir())
+    out = job_dir(a.mnt / "hf", user)
+    with acting_as(user):
+        first = train(out, max_steps=6, seed=0, resume=False)
+        assert checkpoints(out) == ["checkpoint-4", "checkpoint-6"]
+        files = sorted(p.name for p in (out / "checkpoint-6").iterdir())
     pending = [p for p, b in backing_manifests(a.backing).items() if b["state"] != "durable"]
     assert any(p.startswith("hf/checkpoint-6/") for p in pending), pending  # else nothing to test
     a.kill()
 
     a.mount()
     a.allowed_log = ["recovered"]
-    assert checkpoints(out) == ["checkpoint-4", "checkpoint-6"]  # checkpoint-2 not back
-    for s in (4, 6):
-        assert sorted(p.name for p in (out / f"checkpoint-{s}").iterdir()) == files
-        check_checkpoint(out / f"checkpoint-{s}", first.saved[s])
-    second = train(out, max_steps=8, seed=1, resume=True)
+    assert_owned(a.mnt, [f"hf/checkpoint-{s}/{f}" for s in (4, 6) for f in files], user)
+    with acting_as(user):
+        assert checkpoints(out) == ["checkpoint-4", "checkpoint-6"]  # checkpoint-2 not back
+        for s in (4, 6):
+            assert sorted(p.name for p in (out / f"checkpoint-{s}").iterdir()) == files
+            check_checkpoint(out / f"checkpoint-{s}", first.saved[s])
+        second = train(out, max_steps=8, seed=1, resume=True)
+        assert checkpoints(out) == ["checkpoint-6", "checkpoint-8"]
     assert second.began["global_step"] == 6 and second.steps == [7, 8]
     for part in ("model", "optimizer", "scheduler"):
         assert_same(first.saved[6][part], second.began[part], f"resumed {part}")
-    assert checkpoints(out) == ["checkpoint-6", "checkpoint-8"]
     umount_checked(a, [f"hf/checkpoint-{s}/{f}" for s in (6, 8) for f in files])

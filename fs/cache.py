@@ -879,6 +879,11 @@ class Cache:
     def mirrors_of(self, origin: str) -> list[CachedFile]:
         return [f for f in self.mirrors.values() if f.origin == origin]
 
+    def taken_over(self) -> list[CachedFile]:
+        """Dead buddies' files this node took over: kept among the mirrors
+        (no name of this node's file table is theirs), flushed from here."""
+        return [f for f in self.mirrors.values() if f.role is FileRole.TAKEOVER]
+
     def take_over(self, f: CachedFile) -> bool:
         """The writer of mirror ``f`` died: this node flushes it (fenced, at
         exactly its version). Content never committed is dropped: its close

@@ -125,8 +125,21 @@ class Core:
         self.backing.close()
 
     def all_durable(self) -> bool:
-        # Lost files are not ours to flush: their holders went away.
-        return not any(f.modified or f.owes_flush for f in self.cache.all_files() if not f.unlinked)
+        # Lost files are not ours to flush: their holders went away. A dead
+        # buddy's files taken over are: their only copy is in this cache,
+        # which a clean unmount deletes.
+        return not any(
+            f.modified or f.owes_flush for f in self.cache.all_files() if not f.unlinked
+        ) and not self.taken_over("")
+
+    def taken_over(self, prefix: str) -> list[CachedFile]:
+        """Dead buddies' files under ``prefix`` that this node took over and
+        still owes the backing store."""
+        return [
+            f
+            for f in self.cache.taken_over()
+            if f.owes_flush and (not prefix or f.path == prefix or f.path.startswith(prefix + "/"))
+        ]
 
     async def drain(self, prefix: str, timeout: float | None) -> dict[str, Any]:
         """Commit what changed under ``prefix`` and wait until all of it is durable."""
@@ -145,6 +158,9 @@ class Core:
                 if f.owes_flush:
                     self.flusher.enqueue(f)
                     pending.append(f)
+            for f in self.taken_over(prefix):  # queued at the takeover; waited for here
+                self.flusher.enqueue(f)
+                pending.append(f)
             with self.flusher.awaited(pending):
                 for f in pending:
                     while f.owes_flush:

@@ -282,6 +282,8 @@ class Daemon:
                 "timed_out": core.io.timeouts,
             },
             "files": [f.describe() for f in under],
+            # Dead buddies' files this node took over and is making durable.
+            "taken_over": [{**f.describe(), "origin": f.origin} for f in core.taken_over(prefix)],
             "lost": [
                 {"path": f.path, "reason": f.lost_reason}
                 for f in under

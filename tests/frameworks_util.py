@@ -351,6 +351,14 @@ def _dcp_full_state(model: Any, opt: Any) -> dict[str, Any]:
     return clone_tree({"model": msd, "optim": osd})
 
 
+def rank_root(spec: str) -> Path:
+    """The checkpoint directory of this rank: ``spec`` itself, or with
+    several comma-separated ones (a mount per node), the rank's: rank r
+    saves or loads through node r's mount."""
+    roots = spec.split(",")
+    return Path(roots[int(os.environ.get("RANK", "0")) % len(roots)])
+
+
 def dcp_save(ckpt_root: Path, ref: Path, seed: int = 0) -> None:
     """``dcp.save`` into ckpt_root/sync and ``dcp.async_save`` into ckpt_root/async.
 
@@ -563,11 +571,11 @@ def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="frameworks_util")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("dcp-save")
-    s.add_argument("ckpt", type=Path)
+    s.add_argument("ckpt", type=rank_root)
     s.add_argument("ref", type=Path)
     s.add_argument("--seed", type=int, default=0, help="the model's initial weights")
     s = sub.add_parser("dcp-load")
-    s.add_argument("ckpt", type=Path)
+    s.add_argument("ckpt", type=rank_root)
     s.add_argument("ref", type=Path)
     s = sub.add_parser("megatron-save")
     s.add_argument("root", type=Path)

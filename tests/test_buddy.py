@@ -320,6 +320,35 @@ def test_a_file_larger_than_the_buddys_mirror_space_falls_back_without_hanging(m
     assert 0 <= small_h["mirrored_s"] <= small_h["close_s"] + 0.001, small_h
 
 
+def test_a_buddy_unmounted_before_its_takeover_is_durable_waits_for_it(mounts, tmp_path):
+    """n1 dies with a closed file pending, mirrored on n2; n2 takes it over
+    and is unmounted before that flush is done. The only copy is in n2's
+    cache, which a clean unmount deletes: the unmount waits until the file
+    is durable (it did not, and said everything was durable), and `ckptfs
+    stat` lists the file meanwhile."""
+    slow = {"CKPTFS_FLUSH_BANDWIDTH": "128KiB", "CKPTFS_CHUNK_SIZE": "256KiB"}
+    nodes = cluster(mounts, tmp_path, ["n1", "n2"], {"n1": slow, "n2": slow})
+    n1, n2 = nodes["n1"], nodes["n2"]
+    n2.allowed_log += PEER_LOGS + ["is dead", "taking over"]
+    data = os.urandom(MiB + 4321)
+    (n1.mnt / "ckpt.pt").write_bytes(data)
+    info = file_info(n1, "ckpt.pt")
+    assert info is not None and info["holders"] == ["n1", "n2"], info
+    n1.kill()
+    wait_for(lambda: "taking over ckpt.pt" in n2.log(), 30, "n2 takes ckpt.pt over")
+    s = n2.stat()
+    assert [(f["path"], f["origin"]) for f in s["taken_over"]] == [("ckpt.pt", "n1")], s
+    assert "TAKEN OVER ckpt.pt" in n2.cli("stat", str(n2.mnt)).stdout
+    assert read_manifest(n2.backing / "ckpt.pt").state == "pending"
+    n2.umount()
+    m = read_manifest(n2.backing / "ckpt.pt")
+    assert m is not None and m.state == "durable" and m.holders == ["n2"], m
+    c = mounts("c")
+    c.mount()
+    assert (c.mnt / "ckpt.pt").read_bytes() == data
+    c.umount()
+
+
 def test_a_restarted_buddy_is_given_the_pending_files_again(mounts, tmp_path):
     """n2 (n1's buddy) crashes and comes back with none of n1's mirrors; n1
     mirrors its pending files to it again, so n1's death after that still

@@ -11,6 +11,7 @@ Once as root and once with every rank as an ordinary user.
 from __future__ import annotations
 
 import pytest
+from conftest import wait_for
 from frameworks_util import (
     ORDINARY,
     assert_owned,
@@ -22,6 +23,7 @@ from frameworks_util import (
     umount_checked,
     worker,
 )
+from test_buddy import PEER_LOGS, cluster
 
 DCP_FILES = [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
@@ -114,4 +116,45 @@ def test_dcp_saves_over_the_checkpoint_it_resumed_from(mounts, tmp_path):
     assert "dcp-load ok rank 0 world 2" in out and "dcp-load ok rank 1 world 2" in out
     out = worker("dcp-load", str(c.mnt / "dcp"), str(second))
     assert "dcp-load ok rank 0 world 1" in out
+    umount_checked(c, expect)
+
+
+def test_dcp_across_two_nodes_restarts_with_the_ranks_swapped_and_after_a_node_died(
+    mounts, tmp_path
+):
+    """Two nodes (each its own daemon, mount and cache, one backing directory),
+    each other's buddy; rank r saves through node r's mount (the same path on
+    real nodes, two here) while nothing becomes durable (the flusher slowed).
+    The restart runs each rank on the other node, so every file it reads was
+    written on the other one; then n1 dies, n2 takes its files over, loads
+    alone, and after n2's unmount a new mount loads it cold."""
+    slow = {"CKPTFS_FLUSH_BANDWIDTH": "4KiB"}
+    nodes = cluster(mounts, tmp_path, ["n1", "n2"], {"n1": slow, "n2": slow})
+    n1, n2 = nodes["n1"], nodes["n2"]
+    for m in (n1, n2):
+        m.allowed_log += PEER_LOGS + ["is dead", "taking over", "is not mirrored"]
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    expect = [f"dcp/{d}/{f}" for d in ("async", "sync") for f in DCP_FILES]
+
+    def through(*order: str) -> str:
+        return ",".join(str(nodes[n].mnt / "dcp") for n in order)
+
+    out = torchrun(2, "dcp-save", through("n1", "n2"), str(ref))
+    assert "dcp-save ok rank 0" in out and "dcp-save ok rank 1" in out
+    pending = [p for p, b in backing_manifests(n1.backing).items() if b["state"] != "durable"]
+    assert "dcp/async/.metadata" in pending and "dcp/async/__1_0.distcp" in pending, pending
+    out = torchrun(2, "dcp-load", through("n2", "n1"), str(ref))
+    assert "dcp-load ok rank 0 world 2" in out and "dcp-load ok rank 1 world 2" in out
+
+    n1.kill()
+    wait_for(lambda: "taking over" in n2.log(), 30, "n2 takes n1's files over")
+    out = worker("dcp-load", str(n2.mnt / "dcp"), str(ref))
+    assert "dcp-load ok rank 0 world 1" in out
+    umount_checked(n2, expect)
+
+    c = mounts("c")
+    c.mount()
+    out = torchrun(2, "dcp-load", str(c.mnt / "dcp"), str(ref))
+    assert "dcp-load ok rank 0 world 2" in out and "dcp-load ok rank 1 world 2" in out
     umount_checked(c, expect)

@@ -145,6 +145,11 @@ def format_stat(s: dict[str, Any]) -> str:
             lines.append(f"{f['state']:<9} {human(f['size']):>10} {progress:>8}  {f['path']}")
     for lost in s.get("lost", []):
         lines.append(f"LOST      {lost['path']}: {lost['reason']}")
+    for f in s.get("taken_over", []):
+        lines.append(
+            f"TAKEN OVER {f['path']} ({human(f['size'])}) from {f['origin']}, which died: "
+            "being made durable from here"
+        )
     if s.get("history"):
         lines.append("recent checkpoints (close s / durable s after close / MB/s):")
         for h in s["history"][-5:]:

@@ -303,8 +303,37 @@ def _takeover_manifest(
         # Not STALE: the flusher would take that as "rewritten elsewhere" and
         # drop the only copy. An error makes it try again later.
         raise OSError(errno.EBUSY, f"{rel}: another takeover of this file is under way")
-    parent, name = os.path.split(rel)
-    dfd = open_dir(parent, root)
+    try:
+        parent, name = os.path.split(rel)
+        try:
+            dfd = open_dir(parent, root)
+        except FileNotFoundError:
+            # Its directory was removed (a job's rotation, rmtree, on another
+            # node): so was the name. Had this raised, the flusher would have
+            # retried for ever, after the first time against its own fence.
+            return Published.NAME_GONE
+        try:
+            return _link_over(call, root, dfd, parent, name, manifest, file_id, expect_version)
+        finally:
+            os.close(dfd)
+    finally:
+        try:
+            os.unlink(_fence(file_id), dir_fd=root)
+        except FileNotFoundError:
+            pass
+
+
+def _link_over(
+    call: Call[Published],
+    root: int,
+    dfd: int,
+    parent: str,
+    name: str,
+    manifest: Manifest,
+    file_id: str,
+    expect_version: str,
+) -> Published:
+    """The fenced publish itself, in the directory ``dfd`` (see _takeover_manifest)."""
     aside = tmp_name(name)
     new = tmp_name(name)
     try:
@@ -353,11 +382,6 @@ def _takeover_manifest(
     finally:
         try:
             os.unlink(new, dir_fd=dfd)
-        except FileNotFoundError:
-            pass
-        os.close(dfd)
-        try:
-            os.unlink(_fence(file_id), dir_fd=root)
         except FileNotFoundError:
             pass
 

@@ -24,9 +24,11 @@ import json  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from conftest import wait_for  # noqa: E402
 from frameworks_util import (  # noqa: E402
     ORDINARY,
     acting_as,
+    assert_backing_durable,
     assert_owned,
     assert_same,
     backing_manifests,
@@ -35,6 +37,7 @@ from frameworks_util import (  # noqa: E402
     umount_checked,
 )
 from safetensors.torch import load_file  # noqa: E402
+from test_buddy import PEER_LOGS, cluster  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 from transformers import (  # noqa: E402
     GPT2Config,
@@ -233,3 +236,42 @@ def test_hf_trainer_resumes_after_its_daemon_died_before_the_checkpoints_were_du
     for part in ("model", "optimizer", "scheduler"):
         assert_same(first.saved[6][part], second.began[part], f"resumed {part}")
     umount_checked(a, [f"hf/checkpoint-{s}/{f}" for s in (6, 8) for f in files])
+
+
+def test_hf_trainer_resumes_on_another_node_after_its_node_died(mounts, tmp_path):
+    """Three nodes in a buddy ring (n2 mirrors n1). The Trainer saves on n1,
+    nothing durable yet (the flusher slowed); n1 dies and n2 takes its
+    checkpoints over. The job resumes on n3, and its rotation deletes the
+    checkpoints n2 is still flushing. At the end only the new checkpoints
+    are left, durable, and a cold mount loads them."""
+    slow = {"CKPTFS_FLUSH_BANDWIDTH": "64KiB"}
+    nodes = cluster(mounts, tmp_path, ["n1", "n2", "n3"], {n: slow for n in ("n1", "n2")})
+    n1, n2, n3 = nodes["n1"], nodes["n2"], nodes["n3"]
+    for m in nodes.values():
+        m.allowed_log += PEER_LOGS + ["is dead", "taking over", "is not mirrored", "no longer"]
+    first = train(n1.mnt / "hf", max_steps=6, seed=0, resume=False)
+    files = sorted(p.name for p in (n1.mnt / "hf" / "checkpoint-6").iterdir())
+    pending = [p for p, b in backing_manifests(n1.backing).items() if b["state"] != "durable"]
+    assert any(p.startswith("hf/checkpoint-6/") for p in pending), pending
+    n1.kill()
+    wait_for(lambda: "taking over hf/checkpoint-6" in n2.log(), 30, "n2 takes n1's files over")
+
+    out = n3.mnt / "hf"
+    assert checkpoints(out) == ["checkpoint-4", "checkpoint-6"]
+    check_checkpoint(out / "checkpoint-6", first.saved[6])
+    second = train(out, max_steps=10, seed=1, resume=True)
+    assert second.began["global_step"] == 6 and second.steps[-1] == 10
+    for part in ("model", "optimizer", "scheduler"):
+        assert_same(first.saved[6][part], second.began[part], f"resumed {part}")
+    assert checkpoints(out) == ["checkpoint-10", "checkpoint-8"]
+    expect = [f"hf/checkpoint-{s}/{f}" for s in (8, 10) for f in files]
+    n2.umount()
+    n3.umount()
+    manifests = assert_backing_durable(n3, expect)
+    assert sorted(p for p in manifests if p.startswith("hf/")) == sorted(expect)
+
+    c = mounts("c")
+    c.mount()
+    for s in (8, 10):
+        check_checkpoint(c.mnt / "hf" / f"checkpoint-{s}", second.saved[s])
+    umount_checked(c, expect)

@@ -45,6 +45,7 @@ from frameworks_util import (
     subprocess_env,
     umount_checked,
 )
+from test_buddy import PEER_LOGS, cluster
 
 READERS = {"plain": 2, "mmap": 2}
 WRITE_SECONDS = 4.0
@@ -52,8 +53,11 @@ MIN_VERSIONS = 30
 PERIOD = 0.06  # one replace every 60 ms on both, so the torn rates compare
 
 
-def race(directory: Path, work: Path) -> tuple[int, float, dict[str, dict]]:
-    """Replace ``directory/model.pt`` for WRITE_SECONDS while the readers load it.
+def race(
+    directory: Path, work: Path, read_in: Path | None = None
+) -> tuple[int, float, dict[str, dict]]:
+    """Replace ``directory/model.pt`` for WRITE_SECONDS while the readers load
+    it, through ``read_in`` (the same directory seen from another node) if given.
 
     Returns the last version written, the seconds writing took and the
     readers' counts summed per mode.
@@ -69,7 +73,11 @@ def race(directory: Path, work: Path) -> tuple[int, float, dict[str, dict]]:
     try:
         for mode, n in READERS.items():
             for i in range(n):
-                args = [str(final), mode, str(work / f"{mode}{i}.json")]
+                args = [
+                    str((read_in or directory) / "model.pt"),
+                    mode,
+                    str(work / f"{mode}{i}.json"),
+                ]
                 args += [str(work / f"{mode}{i}.ready"), str(stop)]
                 procs.append(
                     subprocess.Popen(
@@ -235,3 +243,26 @@ def test_a_save_cut_short_by_its_daemons_death_leaves_the_last_checkpoint(mounts
     (d / "model.pt.tmp").unlink()  # the job's next save to that name would replace it too
     assert a.cli("check", str(a.backing), check=False).returncode == 0
     umount_checked(a, ["replace/model.pt"])
+
+
+def test_replace_on_one_node_while_processes_on_another_load(mounts, tmp_path, record_property):
+    """The race across two nodes (each other's buddy, one backing directory):
+    the writer replaces the file through n1 while readers load it through
+    n2, which reads each new version from n1's RAM or its own mirror of it
+    until it is durable. No load may return bytes of no version, a plain load
+    never a mix of two."""
+    nodes = cluster(mounts, tmp_path, ["n1", "n2"], {})
+    n1, n2 = nodes["n1"], nodes["n2"]
+    for m in (n1, n2):
+        m.allowed_log += PEER_LOGS
+    (n1.mnt / "replace").mkdir()
+    last, seconds, totals = race(n1.mnt / "replace", tmp_path / "race", read_in=n2.mnt / "replace")
+    report = summary("writer on n1, readers on n2", last, seconds, totals)
+    record_property("replace_race_two_nodes", report)
+    print("\n" + report)
+    check_race(totals)
+    expected = replace_version(last)
+    for m in (n1, n2):
+        assert_same(expected, torch.load(m.mnt / "replace" / "model.pt", weights_only=True))
+    n1.umount()
+    umount_checked(n2, ["replace/model.pt"])

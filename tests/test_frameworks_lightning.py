@@ -32,11 +32,14 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
+from conftest import wait_for
 from frameworks_util import (
     ORDINARY,
     acting_as,
+    assert_backing_durable,
     assert_owned,
     assert_same,
+    backing_manifests,
     clone_tree,
     files_under,
     job_dir,
@@ -44,6 +47,7 @@ from frameworks_util import (
     umount_checked,
 )
 from pytorch_lightning.callbacks import ModelCheckpoint
+from test_buddy import PEER_LOGS, cluster
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -221,3 +225,45 @@ def run_topk_last_and_resume(mounts, monkeypatch, staging_in, save_last, user) -
         restored = Tiny.load_from_checkpoint(c.mnt / "lightning" / "last.ckpt", seed=2)
     assert_same(saved[(5, 6 * STEPS_PER_EPOCH)]["state_dict"], restored.state_dict(), "restored")
     umount_checked(c, expect_b)
+
+
+@pytest.mark.parametrize("save_last", [True, "link"])
+def test_lightning_resumes_on_the_buddy_after_its_node_died(
+    mounts, tmp_path, monkeypatch, save_last
+):
+    """Two nodes, each other's buddy. Lightning saves on n1 with its TMPDIR in
+    the mount and nothing durable yet (the flusher slowed); n1 dies and n2
+    takes its checkpoints over; the job resumes on n2 with
+    ``ckpt_path="last"`` from exactly the last saved state and trains on,
+    and everything ends durable. (Its mountpoint differs from n1's here, so
+    Lightning keeps n1's files and names its own last checkpoint
+    last-v1.ckpt; on real nodes the path is the same.)"""
+    slow = {"CKPTFS_FLUSH_BANDWIDTH": "32KiB"}
+    nodes = cluster(mounts, tmp_path, ["n1", "n2"], {"n1": slow, "n2": slow})
+    n1, n2 = nodes["n1"], nodes["n2"]
+    n2.allowed_log += PEER_LOGS + ["is dead", "taking over", "is not mirrored"]
+    (n1.mnt / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(n1.mnt / "tmp"))
+    first = fit(n1.mnt / "lightning", save_last, max_epochs=4, seed=0)
+    pending = [p for p, b in backing_manifests(n1.backing).items() if b["state"] != "durable"]
+    assert f"lightning/{name(3)}" in pending, pending  # else the takeover tests nothing
+    n1.kill()
+    wait_for(lambda: f"taking over lightning/{name(3)}" in n2.log(), 30, "n2 takes over")
+
+    monkeypatch.setattr(tempfile, "tempdir", str(n2.mnt / "tmp"))
+    second = fit(n2.mnt / "lightning", save_last, max_epochs=6, seed=1, ckpt_path="last")
+    last_saved = first.saved[(3, 4 * STEPS_PER_EPOCH)]
+    assert second.resumed["epoch"] == 4
+    assert_same(last_saved["state_dict"], second.resumed["state_dict"], "resumed weights")
+    assert_same(
+        last_saved["optimizer_states"], second.resumed["optimizer_states"], "resumed optimizer"
+    )
+    assert sorted({e for e, _ in second.saved}) == [4, 5]
+    for e in (4, 5):
+        ckpt = torch.load(n2.mnt / "lightning" / name(e), weights_only=False)
+        assert_same(
+            second.saved[(e, (e + 1) * STEPS_PER_EPOCH)], {k: ckpt[k] for k in KEYS}, name(e)
+        )
+    n2.umount()
+    manifests = assert_backing_durable(n2)
+    assert {f"lightning/{name(e)}" for e in (1, 3, 4, 5)} <= set(manifests), sorted(manifests)

@@ -24,7 +24,7 @@ from .cache import Cache
 from .cachedfile import CachedFile
 from .chunkstore import CKPTFS_DIR, ChunkStore
 from .config import Config
-from .filesystem import FileSystem
+from .filesystem import FileSystem, in_subtree
 from .flusher import Flusher
 from .history import History
 from .journal import Journal, ThreadRunner
@@ -135,11 +135,7 @@ class Core:
     def taken_over(self, prefix: str) -> list[CachedFile]:
         """Dead buddies' files under ``prefix`` that this node took over and
         still owes the backing store."""
-        return [
-            f
-            for f in self.cache.taken_over()
-            if f.owes_flush and (not prefix or f.path == prefix or f.path.startswith(prefix + "/"))
-        ]
+        return [f for f in self.cache.taken_over() if f.owes_flush and in_subtree(f.path, prefix)]
 
     async def drain(self, prefix: str, timeout: float | None) -> dict[str, Any]:
         """Commit what changed under ``prefix`` and wait until all of it is durable."""

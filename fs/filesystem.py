@@ -1501,10 +1501,7 @@ class FileSystem:
     def files_under(self, prefix: str) -> list[CachedFile]:
         """Linked files at or under ``prefix``, and retired versions still owed."""
         return [
-            f
-            for f in self.cache.all_files()
-            if (not f.unlinked)
-            and (not prefix or f.path == prefix or f.path.startswith(prefix + "/"))
+            f for f in self.cache.all_files() if (not f.unlinked) and in_subtree(f.path, prefix)
         ]
 
     def close_all(self) -> None:
@@ -1527,6 +1524,11 @@ class FileSystem:
 
 def _at_or_under(path: str, prefix: str) -> bool:
     return path == prefix or path.startswith(prefix + "/")
+
+
+def in_subtree(path: str, prefix: str) -> bool:
+    """Whether ``path`` is in what an operator's PATH names ("": everything)."""
+    return not prefix or _at_or_under(path, prefix)
 
 
 def _adopted(f: CachedFile, entry: Entry) -> bool:

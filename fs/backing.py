@@ -10,6 +10,7 @@ than the mountpoint. The ``.ckptfs`` directory and temporary names are hidden.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
 import time
@@ -32,7 +33,10 @@ from .manifest import (
     tmp_name,
     write_manifest,
 )
+from .renamelog import RenameLog, needs_record, write_record
 from .state import Published
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -307,13 +311,14 @@ def _takeover_manifest(
         parent, name = os.path.split(rel)
         try:
             dfd = open_dir(parent, root)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             # Its directory was removed (a job's rotation, rmtree, on another
-            # node): so was the name. Had this raised, the flusher would have
-            # retried for ever, after the first time against its own fence.
+            # node), or a file put in its place: so was the name. Had this
+            # raised, the flusher would have retried for ever, after the first
+            # time against its own fence.
             return Published.NAME_GONE
         try:
-            return _link_over(call, root, dfd, parent, name, manifest, file_id, expect_version)
+            return _link_over(call, dfd, name, manifest, file_id, expect_version)
         finally:
             os.close(dfd)
     finally:
@@ -325,9 +330,7 @@ def _takeover_manifest(
 
 def _link_over(
     call: Call[Published],
-    root: int,
     dfd: int,
-    parent: str,
     name: str,
     manifest: Manifest,
     file_id: str,
@@ -343,9 +346,9 @@ def _link_over(
             st = os.stat(name, dir_fd=dfd)
         except FileNotFoundError:
             return Published.NAME_GONE
-        write_manifest(
-            os.path.join(parent, new), manifest, dir_fd=root, owner=(st.st_uid, st.st_gid)
-        )
+        # In the directory held open: by path, a directory removed and made
+        # again since would get the temporary name, and keep it.
+        write_manifest(new, manifest, dir_fd=dfd, owner=(st.st_uid, st.st_gid))
         try:
             os.rename(name, aside, src_dir_fd=dfd, dst_dir_fd=dfd)
         except FileNotFoundError:
@@ -403,6 +406,7 @@ class Backing:
         self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.umask = os.umask(0)
         os.umask(self.umask)
+        self.renames = RenameLog()
 
     def close(self) -> None:
         os.close(self.root_fd)
@@ -505,16 +509,36 @@ class Backing:
     async def unlink(self, rel: str) -> None:
         await self.io.run(lambda: os.unlink(rel, dir_fd=self.root_fd), what=f"unlink {rel}")
 
-    async def rename(self, old: str, new: str, *, before: Callable[[], None] | None = None) -> None:
+    async def rename(
+        self,
+        old: str,
+        new: str,
+        *,
+        before: Callable[[], None] | None = None,
+        record_as: str | None = None,
+    ) -> None:
         """``before`` runs in the same call, just before the rename; neither
-        runs if the loop gave up on the call (a timeout) before."""
+        runs if the loop gave up on the call (a timeout) before. With
+        ``record_as`` (this node), the rename is recorded first for other
+        nodes' flushes (renamelog.py)."""
 
         await self.io.run(
-            self._rename_in_call, old, new, before, what=f"rename {old} -> {new}", with_call=True
+            self._rename_in_call,
+            old,
+            new,
+            before,
+            record_as,
+            what=f"rename {old} -> {new}",
+            with_call=True,
         )
 
     def _rename_in_call(
-        self, call: Call[Any], old: str, new: str, before: Callable[[], None] | None
+        self,
+        call: Call[Any],
+        old: str,
+        new: str,
+        before: Callable[[], None] | None,
+        record_as: str | None,
     ) -> None:
         """In a store call's thread: ``before``, then the rename, each only
         if the loop has not given up on the call (its locks are gone then)."""
@@ -522,7 +546,20 @@ class Backing:
             before()
         if call.abandoned():
             raise OSError(errno.ETIMEDOUT, f"rename {old} -> {new}: given up on")
+        if record_as is not None:
+            try:
+                write_record(self.root_fd, old, new, record_as)
+            except OSError as exc:
+                log.error("rename %s -> %s not recorded (%s): another node's pending file it "
+                          "moves is dropped by that node's flush", old, new, exc)  # fmt: skip
         os.rename(old, new, src_dir_fd=self.root_fd, dst_dir_fd=self.root_fd)
+
+    async def renamed_to(self, rel: str, file_id: str) -> str | None:
+        """Where renames recorded by any node moved ``file_id`` from ``rel``
+        (renamelog.py); None if to nowhere it still is."""
+        return await self.io.run(
+            self.renames.follow, self.root_fd, rel, file_id, what=f"follow renames of {rel}"
+        )
 
     async def rename_reading(
         self,
@@ -532,13 +569,16 @@ class Backing:
         noreplace: bool,
         rename: bool = True,
         before: Callable[[], None] | None = None,
+        node: str = "",
     ) -> tuple[Entry, Entry | None, Entry | None]:
         """What is at ``old`` and at ``new`` (None: nothing), then, with
         ``rename``, the rename, all in one backing-store call: the kernel holds
         the replaced file's inode lock for as long as a RENAME takes, and a
         reader's lseek(SEEK_END) of that file waits for it. ``before`` runs
         in the same call just before the rename; neither runs if the loop gave
-        up on the call before (a timeout). FileNotFoundError if ``old`` is
+        up on the call before (a timeout); a rename that may move a pending
+        file of a node other than ``node`` is recorded (renamelog.py).
+        FileNotFoundError if ``old`` is
         gone; FileExistsError with ``noreplace`` if ``new`` is not. The third
         entry is the source as the rename left it (its new ctime): None if
         not renamed here, or if its stat did not find the same file."""
@@ -555,7 +595,8 @@ class Backing:
                 raise FileExistsError(errno.EEXIST, f"{new} exists")
             if not rename:
                 return source, target, None
-            self._rename_in_call(call, old, new, before)
+            record = node if needs_record(source.kind, source.manifest, node) else None
+            self._rename_in_call(call, old, new, before, record)
             try:
                 st = os.stat(new, dir_fd=self.root_fd, follow_symlinks=False)
             except OSError:

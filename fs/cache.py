@@ -26,6 +26,7 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import trio
@@ -174,6 +175,12 @@ class Cache:
         # Mirror ids whose content the writer abandoned for good: a page of
         # one still in flight must not bring it back (bounded, oldest out).
         self._gone_mirrors: dict[str, None] = {}
+        # Takeovers under way (a dead writer's mirrors are looked at one by
+        # one across store reads before each becomes TAKEOVER): an unmount
+        # waits for them to end, or it could miss files turned over later.
+        self._takeovers = 0
+        self._takeovers_idle = trio.Event()
+        self._takeovers_idle.set()
         self.hash_limiter = trio.CapacityLimiter(hash_threads)
         self._gen = itertools.count(1)
         self._space_event = trio.Event()
@@ -883,6 +890,28 @@ class Cache:
         """Dead buddies' files this node took over: kept among the mirrors
         (no name of this node's file table is theirs), flushed from here."""
         return [f for f in self.mirrors.values() if f.role is FileRole.TAKEOVER]
+
+    @contextmanager
+    def taking_over(self) -> Iterator[None]:
+        """Held by a takeover from its first look to its last conversion."""
+        if not self._takeovers:
+            self._takeovers_idle = trio.Event()
+        self._takeovers += 1
+        try:
+            yield
+        finally:
+            self._takeovers -= 1
+            if not self._takeovers:
+                self._takeovers_idle.set()
+
+    @property
+    def takeover_running(self) -> bool:
+        return self._takeovers > 0
+
+    async def takeovers_settled(self) -> None:
+        """Returns when no takeover is under way."""
+        while self._takeovers:
+            await self._takeovers_idle.wait()
 
     def take_over(self, f: CachedFile) -> bool:
         """The writer of mirror ``f`` died: this node flushes it (fenced, at

@@ -107,7 +107,16 @@ class Core:
     async def _publish_flushed(
         self, f: CachedFile, make: Callable[[], Manifest | None], version: str
     ) -> Published:
-        """The flusher's durable manifest: fenced for a taken-over file."""
+        """The flusher's durable manifest: fenced for a taken-over file; at
+        the path another node's rename moved it to, if its name is gone."""
+        result = await self._publish_at_path(f, make, version)
+        if result is Published.NAME_GONE and await self.fs.follow_rename(f):
+            result = await self._publish_at_path(f, make, version)
+        return result
+
+    async def _publish_at_path(
+        self, f: CachedFile, make: Callable[[], Manifest | None], version: str
+    ) -> Published:
         if f.role is FileRole.TAKEOVER:
             return await self.fs.publish_takeover(f, make, version)
         return await self.fs.publish(f, make, expect_version=version)
@@ -128,9 +137,11 @@ class Core:
         # Lost files are not ours to flush: their holders went away. A dead
         # buddy's files taken over are: their only copy is in this cache,
         # which a clean unmount deletes.
-        return not any(
-            f.modified or f.owes_flush for f in self.cache.all_files() if not f.unlinked
-        ) and not self.taken_over("")
+        return (
+            not any(f.modified or f.owes_flush for f in self.cache.all_files() if not f.unlinked)
+            and not self.taken_over("")
+            and not self.cache.takeover_running
+        )
 
     def taken_over(self, prefix: str) -> list[CachedFile]:
         """Dead buddies' files under ``prefix`` that this node took over and
@@ -154,13 +165,21 @@ class Core:
                 if f.owes_flush:
                     self.flusher.enqueue(f)
                     pending.append(f)
-            for f in self.taken_over(prefix):  # queued at the takeover; waited for here
-                self.flusher.enqueue(f)
-                pending.append(f)
-            with self.flusher.awaited(pending):
-                for f in pending:
-                    while f.owes_flush:
-                        await f.durable_event.wait()
+            while True:
+                # A buddy's death during the wait starts a takeover whose
+                # files only this cache holds: wait for those too.
+                await self.cache.takeovers_settled()
+                more = [f for f in self.taken_over(prefix) if f not in pending]
+                for f in more:  # queued at the takeover; waited for here
+                    self.flusher.enqueue(f)
+                pending += more
+                with self.flusher.awaited(pending):
+                    for f in pending:
+                        while f.owes_flush:
+                            await f.durable_event.wait()
+                owed = self.taken_over(prefix)
+                if not self.cache.takeover_running and all(f in pending for f in owed):
+                    break
         failed += [f.path for f in pending if f.owes_flush]
         return {
             "ok": not failed,

@@ -155,6 +155,7 @@ class Daemon:
                     self.mountpoint,
                     core.cache_root,
                 )
+                self._log_takeovers_dropped()
             elif started and core.all_durable():
                 # The mount failed (its error is logged) with nothing to keep:
                 # the cache's RAM goes back now, not at the next mount.
@@ -166,6 +167,16 @@ class Daemon:
                     self.mountpoint,
                     core.cache_root,
                 )
+
+    def _log_takeovers_dropped(self) -> None:
+        # Mirrors have no journal record: the next mount cannot flush them.
+        owed = self.core.taken_over("")
+        if owed or self.core.cache.takeover_running:
+            log.error(
+                "unmounted with files taken over from a dead buddy not yet durable: %s "
+                "stay pending, their only copy now in their writer's cache",
+                ", ".join(f.path for f in owed) or "the files being taken over",
+            )
 
     def _mount(self) -> int:
         """The FUSE mount; its /dev/fuse descriptor."""
@@ -253,6 +264,7 @@ class Daemon:
         core = self.core
         prefix = str(req.get("path", ""))
         under = sorted(core.fs.files_under(prefix), key=lambda f: f.path)
+        taken = {f.file_id: f for f in core.taken_over(prefix)}
         return {
             "ok": True,
             "mountpoint": str(self.mountpoint),
@@ -281,9 +293,11 @@ class Daemon:
                 "slow": core.io.slow_calls,
                 "timed_out": core.io.timeouts,
             },
-            "files": [f.describe() for f in under],
+            # A file taken over is listed once, as such, not also as the
+            # remote file this node's mount sees at its path.
+            "files": [f.describe() for f in under if f.file_id not in taken],
             # Dead buddies' files this node took over and is making durable.
-            "taken_over": [{**f.describe(), "origin": f.origin} for f in core.taken_over(prefix)],
+            "taken_over": [{**f.describe(), "origin": f.origin} for f in taken.values()],
             "lost": [
                 {"path": f.path, "reason": f.lost_reason}
                 for f in under

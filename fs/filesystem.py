@@ -40,6 +40,7 @@ from .journal import record_of
 from .kernelpages import KernelCache, KernelPages, pieces
 from .manifest import Manifest, new_id
 from .nslock import NamespaceLock
+from .renamelog import needs_record
 from .state import FileRole, FileState, Published
 
 log = logging.getLogger("ckptfs.fs")
@@ -508,6 +509,7 @@ class FileSystem:
                     noreplace=bool(flags),
                     rename=self.mirror is None,
                     before=lambda: self._write_records(records),
+                    node=self.cache.node,
                 )
             except FileNotFoundError:
                 raise FsError(errno.ENOENT) from None
@@ -527,7 +529,14 @@ class FileSystem:
                     ]
                 )
                 await self.backing.rename(
-                    old_path, new_path, before=lambda: self._write_records(records)
+                    old_path,
+                    new_path,
+                    before=lambda: self._write_records(records),
+                    record_as=(
+                        self.cache.node
+                        if needs_record(source.kind, source.manifest, self.cache.node)
+                        else None
+                    ),
                 )
             if target is not None and target.ident != source.ident:
                 self._removed(p_new, new, target)
@@ -587,7 +596,9 @@ class FileSystem:
 
     def _repath(self, old: str, new: str) -> list[CachedFile]:
         moved = []
-        for f in self.cache.all_files():
+        # A dead buddy's file taken over here is published at its path by
+        # this node: it follows a rename too, or its only copy is dropped.
+        for f in [*self.cache.all_files(), *self.cache.taken_over()]:
             if _at_or_under(f.path, old):
                 f.path = new + f.path[len(old) :]
                 moved.append(f)
@@ -1388,6 +1399,24 @@ class FileSystem:
             if result is Published.DONE:
                 f.replaces_plain = None
             return result
+
+    async def follow_rename(self, f: CachedFile) -> bool:
+        """``f``'s name is gone from the backing store: if a rename recorded
+        by another node moved it (renamelog.py), ``f`` takes the path it is
+        at now, and True (its publish is to be tried there)."""
+        old = f.path
+        new = await self.backing.renamed_to(old, f.file_id)
+        if new is None or f.path != old or f.unlinked:
+            return False
+        async with self.ns_lock.exclusive():
+            if f.path != old or f.unlinked:
+                return False
+            f.path = new
+        log.info("%s was renamed to %s on another node: made durable there", old, new)
+        if f.role is FileRole.LOCAL and f.state is FileState.PENDING:
+            # Recovery after a crash looks where the journal record says.
+            await self.cache.journal.save(record_of(self.cache.journal_snapshot(f)))
+        return True
 
     async def publish_takeover(
         self, f: CachedFile, make: Callable[[], Manifest | None], expect_version: str

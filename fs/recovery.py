@@ -4,8 +4,8 @@ The journal (journal.py) lists, for each version this node published but had
 not made durable, which arena slots hold its bytes. A record is adopted only
 if the manifest at its path (or, for a record a rename rewrote just before
 renaming, at the path it had: ``renamed_from``) still names its file id and
-version as pending:
-then nothing changed those slots (a change drops the record first), and the
+version as pending (or the path renames recorded by other nodes moved it
+to, renamelog.py): then nothing changed those slots (a change drops the record first), and the
 file is queued for flushing as if it had just been closed. Every other record
 is stale (the version became durable, was replaced or removed) and is deleted.
 Manifests are read through the backing-store runner, so a hung NFS server
@@ -57,6 +57,16 @@ async def recover(cache: Cache, journal: Journal, backing: Backing, arena: Arena
             # The daemon died between rewriting the record and the rename.
             path = record["path"] = record["renamed_from"]
             manifest = await _pending_at(backing, path, key)
+        if manifest is None:
+            # Renamed by another node (meanwhile, or while this one was down).
+            try:
+                moved = await backing.renamed_to(path, key[0])
+            except OSError as exc:
+                log.error("cannot follow the renames of %s to recover it: %s", path, exc)
+                moved = None
+            if moved is not None:
+                path = record["path"] = moved
+                manifest = await _pending_at(backing, path, key)
         slots = _slots(record)
         if manifest is None or slots & claimed or max(slots, default=-1) >= arena.nslots:
             await journal.run_sync(journal.remove_now, key)

@@ -820,6 +820,13 @@ class MirrorServer:
         still pending at its path. (A version already durable or replaced
         there needs nothing; the fenced publish is what guarantees it, this
         look only saves hashing a checkpoint for nothing.)"""
+        with self.cache.taking_over():
+            taken = await self._take_over(origin)
+        self.takeovers += taken
+        log.info("peer %s dead: took over %d mirrored file(s)", origin, taken)
+        return taken
+
+    async def _take_over(self, origin: str) -> int:
         taken = 0
         for f in self.cache.mirrors_of(origin):
             if f.role is not FileRole.MIRROR:
@@ -853,8 +860,6 @@ class MirrorServer:
                 )
             else:
                 self.dropped_uncommitted += 1
-        self.takeovers += taken
-        log.info("peer %s dead: took over %d mirrored file(s)", origin, taken)
         return taken
 
     async def _manifest_of(self, f: CachedFile) -> Manifest | None:

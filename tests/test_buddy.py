@@ -349,6 +349,74 @@ def test_a_buddy_unmounted_before_its_takeover_is_durable_waits_for_it(mounts, t
     c.umount()
 
 
+def test_a_buddy_whose_writer_dies_during_its_unmount_waits_for_the_takeover(mounts, tmp_path):
+    """n2 is told to unmount (SIGTERM, as systemd or a Slurm epilog does)
+    while its own file is still flushing, and n1 dies meanwhile with several
+    files mirrored on n2. The takeover starts during the unmount's wait: the
+    unmount waits for it too (it looked at the taken-over files once, at its
+    start, then deleted the cache holding their only copies)."""
+    slow = {"CKPTFS_FLUSH_BANDWIDTH": "128KiB", "CKPTFS_CHUNK_SIZE": "256KiB"}
+    draining = {"CKPTFS_FLUSH_BANDWIDTH": "1MiB", "CKPTFS_CHUNK_SIZE": "256KiB"}
+    nodes = cluster(mounts, tmp_path, ["n1", "n2"], {"n1": slow, "n2": draining})
+    n1, n2 = nodes["n1"], nodes["n2"]
+    n2.allowed_log += PEER_LOGS + ["is dead", "taking over", "mirror"]
+    theirs = {f"rank{i}.pt": os.urandom(300 * 1024 + i) for i in range(4)}
+    for name, data in theirs.items():
+        (n1.mnt / name).write_bytes(data)
+    assert n2.stat()["mirroring"]["mirrors"] == len(theirs)
+    own = os.urandom(5 * MiB + 99)
+    (n2.mnt / "own.pt").write_bytes(own)
+    os.kill(n2.pid, signal.SIGTERM)
+    wait_for(lambda: "flushing, then unmounting" in n2.log(), 10, "n2 starts its unmount")
+    n1.kill()
+    wait_for(lambda: f"unmounted {n2.mnt}" in n2.log(), 90, "n2's unmount")
+    log = n2.log()
+    assert "taking over rank3.pt" in log, log
+    assert "everything was durable" in log and "taken over from a dead buddy not yet durable" not in log, log
+    for name in theirs:
+        m = read_manifest(n2.backing / name)
+        assert m is not None and m.state == "durable" and m.holders == ["n2"], (name, m)
+    c = mounts("c")
+    c.mount()
+    for name, data in {**theirs, "own.pt": own}.items():
+        assert (c.mnt / name).read_bytes() == data, name
+    c.umount()
+
+
+def test_a_taken_over_file_renamed_through_its_new_holder_stays_durable(mounts, tmp_path):
+    """n1 dies with a checkpoint directory pending (a finished file and one
+    still at its temporary name), n2 takes them over, and the resumed job on
+    n2 finishes the save: os.replace of the temporary name, then a rename of
+    the directory. The flush from n2 follows both renames (it published at
+    the old path, found no name there and dropped the only copy)."""
+    slow = {"CKPTFS_FLUSH_BANDWIDTH": "64KiB", "CKPTFS_CHUNK_SIZE": "256KiB"}
+    nodes = cluster(mounts, tmp_path, ["n1", "n2"], {"n1": slow, "n2": slow})
+    n1, n2 = nodes["n1"], nodes["n2"]
+    n2.allowed_log += PEER_LOGS + ["is dead", "taking over"]
+    (n1.mnt / "step-9.tmp").mkdir()
+    model, optim = os.urandom(300 * 1024 + 1), os.urandom(200 * 1024 + 7)
+    (n1.mnt / "step-9.tmp" / "model.pt").write_bytes(model)
+    (n1.mnt / "step-9.tmp" / "optim.pt.tmp").write_bytes(optim)
+    n1.kill()
+    wait_for(lambda: len(n2.stat()["taken_over"]) == 2, 30, "n2 takes both over")
+    os.replace(n2.mnt / "step-9.tmp" / "optim.pt.tmp", n2.mnt / "step-9.tmp" / "optim.pt")
+    os.replace(n2.mnt / "step-9.tmp", n2.mnt / "step-9")
+    assert sorted(f["path"] for f in n2.stat()["taken_over"]) == [
+        "step-9/model.pt",
+        "step-9/optim.pt",
+    ]
+    n2.umount()
+    assert "no longer names this file" not in n2.log()
+    for name in ("model.pt", "optim.pt"):
+        m = read_manifest(n2.backing / "step-9" / name)
+        assert m is not None and m.state == "durable" and m.holders == ["n2"], (name, m)
+    c = mounts("c")
+    c.mount()
+    assert (c.mnt / "step-9" / "model.pt").read_bytes() == model
+    assert (c.mnt / "step-9" / "optim.pt").read_bytes() == optim
+    c.umount()
+
+
 def test_a_restarted_buddy_is_given_the_pending_files_again(mounts, tmp_path):
     """n2 (n1's buddy) crashes and comes back with none of n1's mirrors; n1
     mirrors its pending files to it again, so n1's death after that still

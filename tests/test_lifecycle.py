@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from ckptfs.fs.chunkstore import ChunkStore, chunk_hash
@@ -304,6 +305,17 @@ def test_check_reports_pending_files_and_fails_for_those_no_daemon_holds(mounts)
     proc = m.cli("check", str(m.backing), check=False)
     assert proc.returncode == 1, proc.stdout
     assert "ghost.pt: pending" in proc.stdout and "does not hold its bytes" in proc.stdout
+    # Naming this node and one that does not serve the backing directory
+    # here (the writer on another machine, its buddy here without the
+    # bytes): the holder not asked may have them, so a warning, not "lost".
+    write_manifest(
+        m.backing / "ghost.pt",
+        Manifest("g" * 16, "w" * 16, 1000, 0o644, 0, "pending", ["n-far", m.stat()["node"]]),
+    )
+    proc = m.cli("check", str(m.backing), check=False)
+    assert proc.returncode == 0, proc.stdout
+    assert "ckptfs: warning: " in proc.stdout and "n-far do not serve" in proc.stdout
+    assert "ghost.pt" in proc.stdout and "lost" not in proc.stdout, proc.stdout
     (m.backing / "ghost.pt").unlink()
     write_manifest(
         m.backing / "orphan.pt",
@@ -317,6 +329,35 @@ def test_check_reports_pending_files_and_fails_for_those_no_daemon_holds(mounts)
     m.kill()  # held.bin's only holder is gone
     proc = m.cli("check", str(m.backing), check=False)
     assert proc.returncode == 1 and "held.bin" in proc.stdout, proc.stdout
+
+
+def test_check_does_not_call_a_file_saved_again_during_the_check_lost(mounts, monkeypatch, capsys):
+    """The check reads the manifests first and asks the daemon afterwards:
+    a save of a new version in between makes the daemon answer "not held"
+    for the version read. That is a file that changed, not a lost one."""
+    m = mounts()
+    m.mount(env={"CKPTFS_FLUSH_BANDWIDTH": "256KiB"})
+    (m.mnt / "last.pt").write_bytes(rand(3 * MiB, 11))
+    monkeypatch.setenv("CKPTFS_RUN_DIR", str(m.run_dir))
+    from ckptfs.tools import offline_cli
+
+    real = offline_cli.request
+
+    def saved_again_first(mountpoint, req):
+        if req.get("op") == "holds":
+            (m.mnt / "last.pt").write_bytes(rand(3 * MiB, 12))
+        return real(mountpoint, req)
+
+    monkeypatch.setattr(offline_cli, "request", saved_again_first)
+    rc = offline_cli.cmd_check(SimpleNamespace(path=str(m.backing), quick=True))
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "last.pt: pending" in out and "changed during the check (another version now)" in out
+    assert "lost" not in out and "error" not in out, out
+    # Checked again: the new version is held.
+    monkeypatch.setattr(offline_cli, "request", real)
+    assert offline_cli.cmd_check(SimpleNamespace(path=str(m.backing), quick=True)) == 0
+    assert "held by the running daemon" in capsys.readouterr().out
 
 
 def test_a_pending_version_survives_a_crash_during_its_rewrite(mounts):

@@ -66,6 +66,12 @@ def test_a_takeover_publishes_only_over_the_version_it_mirrored(tmp_path: Path):
                                       expect_version="v1")  # fmt: skip
         assert r is Published.NAME_GONE
         assert os.listdir(tmp_path / ".ckptfs" / "fence") == []
+        # A plain file where its directory was: gone too (it retried for ever).
+        (tmp_path / "plain").write_bytes(b"not a directory")
+        r = await b.takeover_manifest("plain/c.pt", durable("f1", "v1"), file_id="f1",
+                                      expect_version="v1")  # fmt: skip
+        assert r is Published.NAME_GONE
+        assert os.listdir(tmp_path / ".ckptfs" / "fence") == []
         # Exactly the mirrored version: published, owner kept, no leftovers.
         write_manifest(tmp_path / "d" / "a.pt", pending("f1", "v1", ["n1", "n2"]), owner=(7, 8))
         r = await b.takeover_manifest("d/a.pt", durable("f1", "v1"), file_id="f1",

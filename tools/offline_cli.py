@@ -10,6 +10,7 @@ import argparse
 import os
 from pathlib import Path
 
+from ..fs.manifest import ManifestError, read_manifest
 from ..fs.walk import find_backing_root
 from .check import PendingFile, check
 from .control import ControlError, find_mount, live_daemons, request
@@ -97,17 +98,31 @@ def cmd_check(args: argparse.Namespace) -> int:
         holders = ", ".join(p.holders) or "none"
         running = [h for h in p.holders if h in serving]
         holding = [h for h in running if held[h].get(p.path, True)]
+        elsewhere = [h for h in p.holders if h not in serving]
         line = f"{p.path}: pending, {p.size} bytes, holders {holders}, age {p.age:.0f}s"
         if holding:
             where = f"{serving[holding[0]]} (node {holding[0]})"
             print(f"{line}: held by the running daemon of {where}")
+        elif running and (now := _now_at(p)) is not None:
+            # Saved again, made durable or removed since it was read: the
+            # daemons were asked about a version that is gone.
+            print(f"{line}: changed during the check ({now}); check it again")
         elif running:
-            unrecoverable.append(p)
             where = ", ".join(f"{serving[h]} (node {h})" for h in running)
-            print(
-                f"ckptfs: error: {line}: lost: the running daemon of {where} does not hold "
-                "its bytes (it was being written when its daemon died); rewrite or remove it"
-            )
+            cause = f"the running daemon of {where} does not hold its bytes"
+            if elsewhere:
+                # A holder on another machine (the writer, whose buddy runs
+                # here) is not asked: it may well have them.
+                print(
+                    f"ckptfs: warning: {line}: {cause}; its holder(s) {', '.join(elsewhere)} "
+                    "do not serve this backing directory on this machine and were not asked"
+                )
+            else:
+                unrecoverable.append(p)
+                print(
+                    f"ckptfs: error: {line}: lost: {cause} (a daemon died before they were "
+                    "durable, or its cache was removed); rewrite or remove it"
+                )
         elif p.covered:
             print(f"{line}: empty, nothing to lose")
         else:
@@ -129,6 +144,24 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if result.ok and not unrecoverable else 1
 
 
+def _now_at(p: PendingFile) -> str | None:
+    """What replaced the pending version ``p`` at its path since the check
+    read it, or None if it is still there."""
+    try:
+        m = read_manifest(p.path)
+    except FileNotFoundError:
+        return "removed"
+    except IsADirectoryError:
+        return "a directory now"
+    except (OSError, ManifestError):
+        return None  # not readable now: the check's verdict stands
+    if m is None:
+        return "a plain file now"
+    if (m.file_id, m.version) != (p.file_id, p.version):
+        return "another version now"
+    return None if m.state == "pending" else f"{m.state} now"
+
+
 def _held(mountpoint: str, pending: list[PendingFile]) -> dict[Path, bool]:
     """Whether the daemon of ``mountpoint`` holds each pending file's bytes;
     if it cannot be asked, it is taken to hold them (a warning says so)."""
@@ -141,7 +174,7 @@ def _held(mountpoint: str, pending: list[PendingFile]) -> dict[Path, bool]:
         if not reply.get("ok"):
             raise ControlError(str(reply.get("error")))
         return {p.path: bool(h) for p, h in zip(pending, reply["held"], strict=True)}
-    except (ControlError, OSError, ValueError, KeyError) as exc:
+    except (ControlError, OSError, ValueError, KeyError, TypeError) as exc:
         print(f"ckptfs: warning: could not ask the daemon of {mountpoint} what it holds: {exc}")
         return {}
 

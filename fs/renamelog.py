@@ -1,0 +1,182 @@
+"""Renames that may have moved other nodes' pending files, recorded in the
+backing store.
+
+A node makes its pending file durable by publishing its manifest at the path
+it knows. A rename done on another node (of the file, or of a directory
+above it: a job's rank 0 renaming the checkpoint directory that ranks on
+other nodes wrote into) moves that manifest away; the flusher then found no
+name, took the file for removed and dropped its only copies. So the renaming
+node writes a record (old path, new path) in ``.ckptfs/renamed`` before the
+rename, in the same backing-store call, and a flusher that finds no name
+follows the records to the path they lead to, and publishes there if the
+manifest there is still its file.
+
+Records are written only for renames that can move another node's pending
+file: a directory, or a pending manifest whose writer (its first holder) is
+another node. A node's renames of its own files need none (it moves its own
+paths, and tells its buddy). Records older than RECORD_TTL are removed by
+the next node that writes one. Everything here blocks: store-call threads only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+from .chunkstore import CKPTFS_DIR
+from .manifest import (
+    Manifest,
+    ManifestError,
+    fsync_dir,
+    is_tmp_name,
+    new_id,
+    read_manifest,
+    tmp_name,
+    write_all,
+)
+
+log = logging.getLogger(__name__)
+
+RENAMED_DIR = f"{CKPTFS_DIR}/renamed"
+# Long enough for any flush to have ended (a store down for hours included):
+# a pending file needs the records of the renames that moved it until then.
+RECORD_TTL = 24 * 3600.0
+
+
+def needs_record(kind: str, manifest: Manifest | None, node: str) -> bool:
+    """Whether renaming what is at a name (its entry's kind and manifest) may
+    move a pending file that another node flushes."""
+    if kind == "dir":
+        return True
+    return (
+        manifest is not None
+        and manifest.state == "pending"
+        and bool(manifest.holders)
+        and manifest.holders[0] != node
+    )
+
+
+def write_record(root_fd: int, old: str, new: str, node: str) -> None:
+    """Record the rename of ``old`` to ``new`` (before doing it), durably."""
+    for d in (CKPTFS_DIR, RENAMED_DIR):
+        try:
+            os.mkdir(d, 0o755, dir_fd=root_fd)
+        except FileExistsError:
+            pass
+    dfd = os.open(RENAMED_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=root_fd)
+    try:
+        now = time.time_ns()
+        name = f"{now:020d}-{node}-{new_id()}"
+        tmp = tmp_name(name)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+        try:
+            write_all(fd, json.dumps({"old": old, "new": new, "node": node}).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        fsync_dir(dfd)
+        _prune(dfd, now)
+    finally:
+        os.close(dfd)
+
+
+def _prune(dfd: int, now_ns: int) -> None:
+    for name in os.listdir(dfd):
+        at = _time_of(name)
+        if at is not None and now_ns - at > RECORD_TTL * 1e9:
+            try:
+                os.unlink(name, dir_fd=dfd)
+            except FileNotFoundError:
+                pass  # another node pruned it first
+
+
+def _time_of(name: str) -> int | None:
+    head = name.split("-", 1)[0]
+    return int(head) if head.isdigit() and not is_tmp_name(name) else None
+
+
+@dataclass(frozen=True)
+class RenameRecord:
+    at_ns: int
+    name: str
+    old: str
+    new: str
+
+    def apply(self, path: str) -> str | None:
+        """Where this rename moved ``path``; None if it did not move it."""
+        if path == self.old:
+            return self.new
+        if path.startswith(self.old + "/"):
+            return self.new + path[len(self.old) :]
+        return None
+
+
+class RenameLog:
+    """The reading side: records are parsed once and kept (they never
+    change), so a flusher that finds many names gone (a rotation that removed
+    pending checkpoints) lists the directory, not every record, each time."""
+
+    def __init__(self) -> None:
+        self._parsed: dict[str, RenameRecord | None] = {}
+        self._lock = threading.Lock()  # store calls run in several threads
+
+    def records(self, root_fd: int) -> list[RenameRecord]:
+        try:
+            dfd = os.open(RENAMED_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=root_fd)
+        except FileNotFoundError:
+            return []
+        try:
+            names = os.listdir(dfd)
+        finally:
+            os.close(dfd)
+        with self._lock:
+            for name in names:
+                if name not in self._parsed and _time_of(name) is not None:
+                    self._parsed[name] = _read(root_fd, name)
+            for name in set(self._parsed) - set(names):
+                del self._parsed[name]
+            found = [r for r in self._parsed.values() if r is not None]
+        return sorted(found, key=lambda r: (r.at_ns, r.name))
+
+    def follow(self, root_fd: int, path: str, file_id: str) -> str | None:
+        """The path that renames recorded since moved ``path`` to, if the
+        manifest there is still ``file_id``'s; None if none is.
+
+        Which records moved it is not known (a record older than the file's
+        arrival at ``path`` may match it too), so each suffix of the log is
+        tried, the latest first, and the manifest at each path it leads to
+        decides."""
+        records = self.records(root_fd)
+        tried: set[str] = set()
+        for start in range(len(records) - 1, -1, -1):
+            at = path
+            for r in records[start:]:
+                at = r.apply(at) or at
+            if at == path or at in tried:
+                continue
+            tried.add(at)
+            try:
+                m = read_manifest(at, dir_fd=root_fd)
+            except (OSError, ManifestError):
+                continue
+            if m is not None and m.file_id == file_id:
+                return at
+        return None
+
+
+def _read(root_fd: int, name: str) -> RenameRecord | None:
+    try:
+        fd = os.open(f"{RENAMED_DIR}/{name}", os.O_RDONLY | os.O_CLOEXEC, dir_fd=root_fd)
+        try:
+            body = json.loads(os.read(fd, 1 << 16))
+        finally:
+            os.close(fd)
+        return RenameRecord(int(name.split("-", 1)[0]), name, str(body["old"]), str(body["new"]))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("rename record %s/%s unreadable, ignored: %s", RENAMED_DIR, name, exc)
+        return None

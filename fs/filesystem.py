@@ -1322,6 +1322,14 @@ class FileSystem:
                     lambda: self._manifest(f, snap.version, snap.size, snap.holders),
                     before=save_record,
                 )
+                if result is Published.NAME_GONE and await self.follow_rename(f):
+                    # Its directory (or the file) was renamed on another node
+                    # while it was written here: its writes go where it is.
+                    result = await self.publish(
+                        f,
+                        lambda: self._manifest(f, snap.version, snap.size, snap.holders),
+                        before=save_record,
+                    )
         except BaseException:
             self.cache.publish_failed(snap, name_gone=False)
             if f.state is FileState.MODIFIED and not f.writers:
@@ -1412,7 +1420,7 @@ class FileSystem:
             if f.path != old or f.unlinked:
                 return False
             f.path = new
-        log.info("%s was renamed to %s on another node: made durable there", old, new)
+        log.info("%s was renamed to %s on another node: published there", old, new)
         if f.role is FileRole.LOCAL and f.state is FileState.PENDING:
             # Recovery after a crash looks where the journal record says.
             await self.cache.journal.save(record_of(self.cache.journal_snapshot(f)))

@@ -65,7 +65,7 @@ def test_a_checkpoint_directory_renamed_on_another_node_is_made_durable_where_it
     durable_at(n1.backing, "iter_100/shard1.pt", ["n2"])
     assert not (n1.backing / "iter_100.tmp").exists()
     log = n1.log()
-    assert "renamed to iter_100/shard0.pt on another node" in log, log
+    assert "renamed to iter_100/shard0.pt on another node: published there" in log, log
     assert "no longer names this file" not in log, log
     for n in (n1, n2):
         n.umount()

@@ -20,6 +20,7 @@ format (docs/FORMAT.md), so these tests do not depend on the internals.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import shutil
@@ -547,7 +548,7 @@ def classify_load(sd: dict[str, Any], cache: dict[int, torch.Tensor]) -> str:
 
 def reader(path: Path, mode: str, out: Path, ready: Path, stop: Path, limit: float) -> None:
     """torch.load ``path`` in a loop until ``stop`` exists (or ``limit`` seconds)."""
-    counts = {"exact": 0, "torn": 0, "bad": 0, "error": 0}
+    counts = {"exact": 0, "torn": 0, "bad": 0, "error": 0, "estale": 0}
     samples: list[str] = []
     seen: set[int] = set()
     cache: dict[int, torch.Tensor] = {}
@@ -560,7 +561,13 @@ def reader(path: Path, mode: str, out: Path, ready: Path, stop: Path, limit: flo
             seen.add(int(sd["marker"][0]))
             del sd
         except Exception as exc:  # counted and reported, not hidden
-            kind = "error"
+            # ESTALE, as on NFS (README, Limits), only across nodes: an open
+            # of a name replaced again before the kernel's one retry, a read
+            # of a version replaced before it was durable. Counted apart.
+            stale = getattr(exc, "errno", None) == errno.ESTALE or (
+                isinstance(exc, RuntimeError) and "Stale file handle (116)" in str(exc)
+            )
+            kind = "estale" if stale else "error"
             if len(samples) < 5:
                 samples.append(f"{type(exc).__name__}: {exc}"[:300])
         counts[kind] += 1

@@ -390,12 +390,14 @@ def test_a_taken_over_file_renamed_through_its_new_holder_stays_durable(mounts, 
     n2 finishes the save: os.replace of the temporary name, then a rename of
     the directory. The flush from n2 follows both renames (it published at
     the old path, found no name there and dropped the only copy)."""
-    slow = {"CKPTFS_FLUSH_BANDWIDTH": "64KiB", "CKPTFS_CHUNK_SIZE": "256KiB"}
+    # Several chunks each at a slow flush: both stay pending (a file of one
+    # chunk may be flushed at once, from what the rate limit has saved up).
+    slow = {"CKPTFS_FLUSH_BANDWIDTH": "128KiB", "CKPTFS_CHUNK_SIZE": "256KiB"}
     nodes = cluster(mounts, tmp_path, ["n1", "n2"], {"n1": slow, "n2": slow})
     n1, n2 = nodes["n1"], nodes["n2"]
     n2.allowed_log += PEER_LOGS + ["is dead", "taking over"]
     (n1.mnt / "step-9.tmp").mkdir()
-    model, optim = os.urandom(300 * 1024 + 1), os.urandom(200 * 1024 + 7)
+    model, optim = os.urandom(MiB + 1), os.urandom(768 * 1024 + 7)
     (n1.mnt / "step-9.tmp" / "model.pt").write_bytes(model)
     (n1.mnt / "step-9.tmp" / "optim.pt.tmp").write_bytes(optim)
     n1.kill()

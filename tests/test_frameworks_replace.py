@@ -112,10 +112,12 @@ def race(
                 p.wait()
     totals: dict[str, dict] = {}
     for mode in READERS:
-        t = totals.setdefault(mode, {"exact": 0, "torn": 0, "bad": 0, "error": 0, "samples": []})
+        t = totals.setdefault(
+            mode, {"exact": 0, "torn": 0, "bad": 0, "error": 0, "estale": 0, "samples": []}
+        )
         for f in work.glob(f"{mode}*.json"):
             r = json.loads(f.read_text())
-            for k in ("exact", "torn", "bad", "error"):
+            for k in ("exact", "torn", "bad", "error", "estale"):
                 t[k] += r[k]
             t["samples"] += r["samples"]
             t.setdefault("versions", []).append(r["versions"])
@@ -126,20 +128,31 @@ def summary(where: str, last: int, seconds: float, totals: dict[str, dict]) -> s
     versions = last - REPLACE_FIRST + 1
     parts = []
     for mode, t in totals.items():
-        loads = t["exact"] + t["torn"] + t["bad"] + t["error"]
+        loads = t["exact"] + t["torn"] + t["bad"] + t["error"] + t["estale"]
         rate = t["torn"] / loads if loads else 0.0
         parts.append(
             f"{mode}: {loads} loads, {t['torn']} torn ({rate:.1%}), {t['bad']} bad, "
-            f"{t['error']} errors, versions seen per reader {t['versions']}"
+            f"{t['error']} errors, {t['estale']} ESTALE opens, "
+            f"versions seen per reader {t['versions']}"
         )
     rate = versions / seconds
     return f"{where} ({versions} versions, {rate:.1f} replaces/s): " + "; ".join(parts)
 
 
-def check_race(totals: dict[str, dict]) -> None:
+def check_race(totals: dict[str, dict], *, across_nodes: bool = False) -> None:
+    """No load returns bytes of no version, a plain load never a mix of two,
+    and no load fails; across nodes only, a load may fail with ESTALE, as on
+    NFS (README "Limits"): an open when the writer replaced the name twice
+    within the kernel's lookup, open and one retry, a read of a version
+    replaced before it was durable beyond what was fetched. Rare, no more."""
     for mode, t in totals.items():
         assert t["error"] == 0 and t["bad"] == 0, (mode, t)
         assert min(t["versions"]) >= 2, f"{mode} readers saw no replace: {t}"
+        loads = t["exact"] + t["torn"] + t["estale"]
+        if across_nodes:
+            assert t["estale"] <= max(2, loads // 500), (mode, t)
+        else:
+            assert t["estale"] == 0, (mode, t)
     assert totals["plain"]["torn"] == 0, totals["plain"]
 
 
@@ -260,7 +273,7 @@ def test_replace_on_one_node_while_processes_on_another_load(mounts, tmp_path, r
     report = summary("writer on n1, readers on n2", last, seconds, totals)
     record_property("replace_race_two_nodes", report)
     print("\n" + report)
-    check_race(totals)
+    check_race(totals, across_nodes=True)
     expected = replace_version(last)
     for m in (n1, n2):
         assert_same(expected, torch.load(m.mnt / "replace" / "model.pt", weights_only=True))

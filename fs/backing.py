@@ -552,6 +552,8 @@ class Backing:
             except OSError as exc:
                 log.error("rename %s -> %s not recorded (%s): another node's pending file it "
                           "moves is dropped by that node's flush", old, new, exc)  # fmt: skip
+            if call.abandoned():  # the record took longer than the store call may
+                raise OSError(errno.ETIMEDOUT, f"rename {old} -> {new}: given up on")
         os.rename(old, new, src_dir_fd=self.root_fd, dst_dir_fd=self.root_fd)
 
     async def renamed_to(self, rel: str, file_id: str) -> str | None:

@@ -891,18 +891,26 @@ class Cache:
         (no name of this node's file table is theirs), flushed from here."""
         return [f for f in self.mirrors.values() if f.role is FileRole.TAKEOVER]
 
-    @contextmanager
-    def taking_over(self) -> Iterator[None]:
-        """Held by a takeover from its first look to its last conversion."""
+    def begin_takeover(self) -> None:
+        """A takeover is under way from now (called where a death is seen,
+        before its task starts, so that no drain misses it): end_takeover."""
         if not self._takeovers:
             self._takeovers_idle = trio.Event()
         self._takeovers += 1
+
+    def end_takeover(self) -> None:
+        self._takeovers -= 1
+        if not self._takeovers:
+            self._takeovers_idle.set()
+
+    @contextmanager
+    def taking_over(self) -> Iterator[None]:
+        """Held by a takeover from its first look to its last conversion."""
+        self.begin_takeover()
         try:
             yield
         finally:
-            self._takeovers -= 1
-            if not self._takeovers:
-                self._takeovers_idle.set()
+            self.end_takeover()
 
     @property
     def takeover_running(self) -> bool:

@@ -24,7 +24,7 @@ from .cache import Cache
 from .cachedfile import CachedFile
 from .chunkstore import CKPTFS_DIR, ChunkStore
 from .config import Config
-from .filesystem import FileSystem, in_subtree
+from .filesystem import FOLLOWS, FileSystem, in_subtree
 from .flusher import Flusher
 from .history import History
 from .journal import Journal, ThreadRunner
@@ -110,7 +110,9 @@ class Core:
         """The flusher's durable manifest: fenced for a taken-over file; at
         the path another node's rename moved it to, if its name is gone."""
         result = await self._publish_at_path(f, make, version)
-        if result is Published.NAME_GONE and await self.fs.follow_rename(f):
+        for _ in range(FOLLOWS):
+            if result is not Published.NAME_GONE or not await self.fs.follow_rename(f):
+                break
             result = await self._publish_at_path(f, make, version)
         return result
 
@@ -181,6 +183,11 @@ class Core:
                 if not self.cache.takeover_running and all(f in pending for f in owed):
                     break
         failed += [f.path for f in pending if f.owes_flush]
+        # Cut short by the timeout while a takeover was under way or after it
+        # turned files over: those are not durable either.
+        failed += [f.path for f in self.taken_over(prefix) if f not in pending]
+        if self.cache.takeover_running:
+            failed.append("(a takeover from a dead buddy under way)")
         return {
             "ok": not failed,
             "files": len(pending),

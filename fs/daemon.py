@@ -33,7 +33,7 @@ from .fusesession import describe as describe_session
 from .kernelpages import KernelPages
 from .operations import Operations
 from .preflight import mount_id, run_files
-from .state import FileState
+from .state import FileRole, FileState
 
 GIL_SWITCH_INTERVAL = 0.0001
 
@@ -174,7 +174,7 @@ class Daemon:
         if owed or self.core.cache.takeover_running:
             log.error(
                 "unmounted with files taken over from a dead buddy not yet durable: %s "
-                "stay pending, their only copy now in their writer's cache",
+                "stay pending, their bytes only in the dead writer's cache, if it comes back",
                 ", ".join(f.path for f in owed) or "the files being taken over",
             )
 
@@ -295,7 +295,11 @@ class Daemon:
             },
             # A file taken over is listed once, as such, not also as the
             # remote file this node's mount sees at its path.
-            "files": [f.describe() for f in under if f.file_id not in taken],
+            "files": [
+                f.describe()
+                for f in under
+                if not (f.role is FileRole.REMOTE and f.file_id in taken)
+            ],
             # Dead buddies' files this node took over and is making durable.
             "taken_over": [{**f.describe(), "origin": f.origin} for f in taken.values()],
             "lost": [

@@ -64,6 +64,10 @@ HOLDERS_FAILED_TRIES = 3
 # are remembered until their retry, or, past this many, for this long.
 STALE_OPENS_KEPT = 1024
 STALE_OPEN_FORGOTTEN = 60.0
+# Renames a publish follows, one after another, before the name counts as
+# gone: each follow finds where the file is now; a rename right after that
+# one (a job renaming twice) needs another.
+FOLLOWS = 5
 T = TypeVar("T")
 
 
@@ -486,7 +490,9 @@ class FileSystem:
         # Pending versions' journal records name the path recovery looks at;
         # these became pending while the rename took its locks.
         for f in late:
-            if f.state is FileState.PENDING:
+            # Own files only (see _records_renamed); a file taken over from a
+            # dead buddy has none either: its publish stays fenced.
+            if f.role is FileRole.LOCAL and f.state is FileState.PENDING:
                 await self.cache.journal.save(record_of(self.cache.journal_snapshot(f)))
 
     async def _rename(
@@ -515,6 +521,7 @@ class FileSystem:
                 raise FsError(errno.ENOENT) from None
             except FileExistsError:
                 raise FsError(errno.EEXIST) from None
+            stale = self._known_elsewhere(source, old_path)
             if self.mirror is not None:
                 # A takeover publishes at the path its buddy knows: a closed,
                 # renamed file (torch.save to a temporary name, then os.replace)
@@ -527,6 +534,7 @@ class FileSystem:
                         for f in self.cache.all_files()
                         if _at_or_under(f.path, old_path)
                     ]
+                    + [(f, new_path) for f in stale]
                 )
                 await self.backing.rename(
                     old_path,
@@ -550,7 +558,25 @@ class FileSystem:
                 # open after a torch.save + os.replace needs no store read.
                 self._checked(inode, moved)
             repathed = self._repath(old_path, new_path)
+            for f in stale:
+                if not f.unlinked:
+                    f.path = new_path
+                    repathed.append(f)
         return [f for f in repathed if (f.file_id, f.version) not in records]
+
+    def _known_elsewhere(self, source: Entry, old_path: str) -> list[CachedFile]:
+        """The renamed file's versions held here under another path: one a
+        rename on another node moved, which this node's flush has not
+        followed yet (renamelog.py). A rename here moves them too, or their
+        flush would follow the record to the name this rename just left."""
+        m = source.manifest
+        if m is None:
+            return []
+        return [
+            f
+            for f in [*self.cache.all_files(), *self.cache.taken_over()]
+            if f.file_id == m.file_id and not f.unlinked and not _at_or_under(f.path, old_path)
+        ]
 
     async def _records_renamed(
         self, old: str, new: str, held: contextlib.AsyncExitStack
@@ -562,10 +588,15 @@ class FileSystem:
         crash on either side of the rename finds the manifest."""
 
         def moving() -> dict[tuple[str, str], CachedFile]:
+            # This node's own files only: another node's pending file read
+            # here (REMOTE) has no bytes here to recover, and a record would
+            # make a crash's recovery adopt (and flush) an empty file.
             return {
                 (f.file_id, f.version): f
                 for f in self.cache.all_files()
-                if f.state is FileState.PENDING and _at_or_under(f.path, old)
+                if f.role is FileRole.LOCAL
+                and f.state is FileState.PENDING
+                and _at_or_under(f.path, old)
             }
 
         # Locks first (each acquire may let a writer run), records after: a
@@ -1322,9 +1353,11 @@ class FileSystem:
                     lambda: self._manifest(f, snap.version, snap.size, snap.holders),
                     before=save_record,
                 )
-                if result is Published.NAME_GONE and await self.follow_rename(f):
+                for _ in range(FOLLOWS):
                     # Its directory (or the file) was renamed on another node
                     # while it was written here: its writes go where it is.
+                    if result is not Published.NAME_GONE or not await self.follow_rename(f):
+                        break
                     result = await self.publish(
                         f,
                         lambda: self._manifest(f, snap.version, snap.size, snap.holders),
@@ -1409,16 +1442,23 @@ class FileSystem:
             return result
 
     async def follow_rename(self, f: CachedFile) -> bool:
-        """``f``'s name is gone from the backing store: if a rename recorded
-        by another node moved it (renamelog.py), ``f`` takes the path it is
-        at now, and True (its publish is to be tried there)."""
+        """``f``'s name is gone from the backing store: True if its publish
+        is to be tried again, because a rename recorded by another node
+        moved it (renamelog.py) and ``f`` takes the path it is at now, or
+        because ``f`` moved here meanwhile (an open found it, a rename here)."""
         old = f.path
         new = await self.backing.renamed_to(old, f.file_id)
-        if new is None or f.path != old or f.unlinked:
+        if f.unlinked:
+            return False
+        if f.path != old:
+            return True
+        if new is None:
             return False
         async with self.ns_lock.exclusive():
-            if f.path != old or f.unlinked:
+            if f.unlinked:
                 return False
+            if f.path != old:
+                return True
             f.path = new
         log.info("%s was renamed to %s on another node: published there", old, new)
         if f.role is FileRole.LOCAL and f.state is FileState.PENDING:

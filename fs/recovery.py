@@ -52,21 +52,25 @@ async def recover(cache: Cache, journal: Journal, backing: Backing, arena: Arena
     for record in records:
         key = (record.get("file_id", "?"), record.get("version", "?"))
         path = record.get("path", "?")
+        tried = [path]
         manifest = await _pending_at(backing, path, key)
         if manifest is None and isinstance(record.get("renamed_from"), str):
             # The daemon died between rewriting the record and the rename.
+            tried.append(record["renamed_from"])
             path = record["path"] = record["renamed_from"]
             manifest = await _pending_at(backing, path, key)
-        if manifest is None:
+        for start in tried if manifest is None else []:
             # Renamed by another node (meanwhile, or while this one was down).
             try:
-                moved = await backing.renamed_to(path, key[0])
+                moved = await backing.renamed_to(start, key[0])
             except OSError as exc:
-                log.error("cannot follow the renames of %s to recover it: %s", path, exc)
+                log.error("cannot follow the renames of %s to recover it: %s", start, exc)
                 moved = None
             if moved is not None:
-                path = record["path"] = moved
-                manifest = await _pending_at(backing, path, key)
+                manifest = await _pending_at(backing, moved, key)
+                if manifest is not None:
+                    path = record["path"] = moved
+                    break
         slots = _slots(record)
         if manifest is None or slots & claimed or max(slots, default=-1) >= arena.nslots:
             await journal.run_sync(journal.remove_now, key)

@@ -45,6 +45,8 @@ RENAMED_DIR = f"{CKPTFS_DIR}/renamed"
 # Long enough for any flush to have ended (a store down for hours included):
 # a pending file needs the records of the renames that moved it until then.
 RECORD_TTL = 24 * 3600.0
+# Paths a follow looks at, at most: a bound on a pathological log's cost.
+MAX_PATHS = 1000
 
 
 def needs_record(kind: str, manifest: Manifest | None, node: str) -> bool:
@@ -64,7 +66,7 @@ def write_record(root_fd: int, old: str, new: str, node: str) -> None:
     """Record the rename of ``old`` to ``new`` (before doing it), durably."""
     for d in (CKPTFS_DIR, RENAMED_DIR):
         try:
-            os.mkdir(d, 0o755, dir_fd=root_fd)
+            os.mkdir(d, 0o700, dir_fd=root_fd)
         except FileExistsError:
             pass
     dfd = os.open(RENAMED_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=root_fd)
@@ -88,11 +90,13 @@ def write_record(root_fd: int, old: str, new: str, node: str) -> None:
 def _prune(dfd: int, now_ns: int) -> None:
     for name in os.listdir(dfd):
         at = _time_of(name)
-        if at is not None and now_ns - at > RECORD_TTL * 1e9:
-            try:
+        try:
+            if at is None:  # a temporary name a crash left: by its own age
+                at = os.stat(name, dir_fd=dfd).st_mtime_ns
+            if now_ns - at > RECORD_TTL * 1e9:
                 os.unlink(name, dir_fd=dfd)
-            except FileNotFoundError:
-                pass  # another node pruned it first
+        except FileNotFoundError:
+            pass  # another node pruned it first
 
 
 def _time_of(name: str) -> int | None:
@@ -137,46 +141,57 @@ class RenameLog:
         with self._lock:
             for name in names:
                 if name not in self._parsed and _time_of(name) is not None:
-                    self._parsed[name] = _read(root_fd, name)
+                    try:
+                        self._parsed[name] = _read(root_fd, name)
+                    except OSError as exc:  # read again next time: NFS hiccups pass
+                        log.warning("rename record %s/%s not read: %s", RENAMED_DIR, name, exc)
             for name in set(self._parsed) - set(names):
                 del self._parsed[name]
             found = [r for r in self._parsed.values() if r is not None]
         return sorted(found, key=lambda r: (r.at_ns, r.name))
 
     def follow(self, root_fd: int, path: str, file_id: str) -> str | None:
-        """The path that renames recorded since moved ``path`` to, if the
-        manifest there is still ``file_id``'s; None if none is.
+        """A path that recorded renames lead to from ``path`` where the
+        manifest is ``file_id``'s; None if there is none.
 
-        Which records moved it is not known (a record older than the file's
-        arrival at ``path`` may match it too), so each suffix of the log is
-        tried, the latest first, and the manifest at each path it leads to
-        decides."""
+        Which records moved the file, and in which order, is not known: a
+        record from before the file came to ``path`` may match it too,
+        nodes' clocks differ, and a rename that failed after its record was
+        written leaves a record of nothing. So every chain of records from
+        ``path`` is walked, in any order, and only the manifest at a path
+        decides (file ids are unique: a wrong chain finds another file or
+        nothing, never a wrong file)."""
         records = self.records(root_fd)
-        tried: set[str] = set()
-        for start in range(len(records) - 1, -1, -1):
-            at = path
-            for r in records[start:]:
-                at = r.apply(at) or at
-            if at == path or at in tried:
-                continue
-            tried.add(at)
-            try:
-                m = read_manifest(at, dir_fd=root_fd)
-            except (OSError, ManifestError):
-                continue
-            if m is not None and m.file_id == file_id:
-                return at
+        seen = {path}
+        frontier = [path]
+        while frontier and len(seen) < MAX_PATHS:
+            at = frontier.pop(0)
+            for r in records:
+                moved = r.apply(at)
+                if moved is None or moved in seen:
+                    continue
+                seen.add(moved)
+                frontier.append(moved)
+                try:
+                    m = read_manifest(moved, dir_fd=root_fd)
+                except (OSError, ManifestError):
+                    continue
+                if m is not None and m.file_id == file_id:
+                    return moved
         return None
 
 
 def _read(root_fd: int, name: str) -> RenameRecord | None:
+    """The record ``name``; None (for good) if it does not parse. OSError
+    if it cannot be read now."""
+    fd = os.open(f"{RENAMED_DIR}/{name}", os.O_RDONLY | os.O_CLOEXEC, dir_fd=root_fd)
     try:
-        fd = os.open(f"{RENAMED_DIR}/{name}", os.O_RDONLY | os.O_CLOEXEC, dir_fd=root_fd)
-        try:
-            body = json.loads(os.read(fd, 1 << 16))
-        finally:
-            os.close(fd)
+        raw = os.read(fd, 1 << 16)
+    finally:
+        os.close(fd)
+    try:
+        body = json.loads(raw)
         return RenameRecord(int(name.split("-", 1)[0]), name, str(body["old"]), str(body["new"]))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError) as exc:
         log.warning("rename record %s/%s unreadable, ignored: %s", RENAMED_DIR, name, exc)
         return None

@@ -815,13 +815,29 @@ class MirrorServer:
         )
         return Response(meta={"missing": missing})
 
-    async def take_over(self, origin: str) -> int:
+    def take_over_soon(self, origin: str, nursery: trio.Nursery) -> None:
+        """take_over in ``nursery``, counted as under way from this moment."""
+        self.cache.begin_takeover()
+
+        async def run() -> None:
+            try:
+                await self.take_over(origin, begun=True)
+            finally:
+                self.cache.end_takeover()
+
+        nursery.start_soon(run)
+
+    async def take_over(self, origin: str, *, begun: bool = False) -> int:
         """``origin`` died: flush every version of it mirrored here that is
         still pending at its path. (A version already durable or replaced
         there needs nothing; the fenced publish is what guarantees it, this
-        look only saves hashing a checkpoint for nothing.)"""
-        with self.cache.taking_over():
+        look only saves hashing a checkpoint for nothing.) ``begun``: the
+        caller counts it as under way (take_over_soon)."""
+        if begun:
             taken = await self._take_over(origin)
+        else:
+            with self.cache.taking_over():
+                taken = await self._take_over(origin)
         self.takeovers += taken
         log.info("peer %s dead: took over %d mirrored file(s)", origin, taken)
         return taken

@@ -161,7 +161,7 @@ class PeerNode:
     def _dead(self, name: str) -> None:
         # The membership has already logged the death.
         if name in self.config.mirrored_for() and self._nursery is not None:
-            self._nursery.start_soon(self.mirror_server.take_over, name)
+            self.mirror_server.take_over_soon(name, self._nursery)
 
     def stats(self) -> list[dict[str, Any]]:
         return list(self.membership.stats()["peers"])

@@ -141,3 +141,54 @@ def test_a_file_still_being_written_when_its_directory_is_renamed_elsewhere_keep
     for n in (n1, n2):
         n.umount()
     cold_reads(mounts, "c", {"ckpt/shard0.pt": data})
+
+
+def test_renamed_twice_elsewhere_then_once_by_its_writer_it_is_durable_at_the_last_name(
+    mounts, tmp_path
+):
+    """n2 renames the directory n1's shard is in twice (tmp, staging,
+    final); then the job on n1 renames the shard itself, through n1's mount,
+    whose file still has the first path. n1's flush finds it at the end of
+    all three (the last rename moves n1's file although n1 never saw the
+    first two: it followed the records to the name that rename left)."""
+    nodes = cluster(mounts, tmp_path, ["n1", "n2"], {"n1": SLOW, "n2": {}})
+    n1, n2 = nodes["n1"], nodes["n2"]
+    for n in (n1, n2):
+        n.allowed_log += PEER_LOGS
+    (n1.mnt / "tmp").mkdir()
+    data = os.urandom(2 * MiB + 9)
+    (n1.mnt / "tmp" / "x.pt").write_bytes(data)
+    os.rename(n2.mnt / "tmp", n2.mnt / "staging")
+    os.rename(n2.mnt / "staging", n2.mnt / "final")
+    os.rename(n1.mnt / "final" / "x.pt", n1.mnt / "final" / "model.pt")
+    assert {f["path"] for f in n1.stat()["files"]} >= {"final/model.pt"}
+    n1.wait_durable(60)
+    durable_at(n1.backing, "final/model.pt", ["n1"])
+    assert sorted(os.listdir(n1.backing / "final")) == ["model.pt"]
+    for n in (n1, n2):
+        n.umount()
+    cold_reads(mounts, "c", {"final/model.pt": data})
+
+
+def test_a_node_that_renamed_other_nodes_files_and_crashed_recovers_none_of_them(mounts, tmp_path):
+    """Rank 0 on n2 reads the shards n1 wrote (pending there), renames their
+    directory, and n2's daemon dies. n2's journal must not name n1's files:
+    its recovery adopted them, with no bytes, and flushed zeros as durable."""
+    nodes = cluster(mounts, tmp_path, ["n1", "n2"], {"n1": SLOW, "n2": {}})
+    n1, n2 = nodes["n1"], nodes["n2"]
+    for n in (n1, n2):
+        n.allowed_log += PEER_LOGS + ["is dead", "taking over", "recovered"]
+    (n1.mnt / "it.tmp").mkdir()
+    data = os.urandom(2 * MiB + 21)
+    (n1.mnt / "it.tmp" / "shard0.pt").write_bytes(data)
+    assert (n2.mnt / "it.tmp" / "shard0.pt").read_bytes() == data
+    os.rename(n2.mnt / "it.tmp", n2.mnt / "it")
+    n2.kill()
+    n2.mount("--config", str(next(tmp_path.glob("cluster-*.yaml"))), "--node", "n2")
+    assert "recovered it/shard0.pt" not in n2.log(), n2.log()
+    n1.wait_durable(60)
+    durable_at(n1.backing, "it/shard0.pt", ["n1"])
+    assert (n2.mnt / "it" / "shard0.pt").read_bytes() == data
+    for n in (n1, n2):
+        n.umount()
+    cold_reads(mounts, "c", {"it/shard0.pt": data})

@@ -3,6 +3,7 @@ flusher that finds its file's name gone follows the records to it."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -73,5 +74,28 @@ def test_records_older_than_the_ttl_are_removed_by_the_next_writer(tmp_path: Pat
         write_record(root, "b", "c", "n2")
         (young,) = os.listdir(tmp_path / RENAMED_DIR)
         assert young != old and "-n2-" in young
+    finally:
+        os.close(root)
+
+
+def test_the_follow_needs_no_order_and_ignores_records_of_renames_that_failed(tmp_path: Path):
+    """Record names start with the writing node's clock: n2's clock ahead of
+    n3's puts n2's (earlier) rename after n3's (later) one. A record whose
+    rename then failed (ENOTEMPTY) names a move that never happened."""
+    root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        d = tmp_path / RENAMED_DIR
+        d.mkdir(parents=True)
+
+        def record(at_ns: int, node: str, old: str, new: str) -> None:
+            (d / f"{at_ns:020d}-{node}-x").write_text(json.dumps({"old": old, "new": new}))
+
+        (tmp_path / "done").mkdir()
+        write_manifest(tmp_path / "done" / "x.pt", pending("f1", ["n1"]))
+        record(2_000, "n2", "tmp", "final")  # first, by a clock 2 s ahead
+        record(1_000, "n3", "final", "done")  # then, by a clock behind
+        record(500, "n4", "tmp", "nowhere")  # a rename that failed
+        log = RenameLog()
+        assert log.follow(root, "tmp/x.pt", "f1") == "done/x.pt"
     finally:
         os.close(root)

@@ -572,6 +572,7 @@ class Backing:
         rename: bool = True,
         before: Callable[[], None] | None = None,
         node: str = "",
+        record_ids: frozenset[str] = frozenset(),
     ) -> tuple[Entry, Entry | None, Entry | None]:
         """What is at ``old`` and at ``new`` (None: nothing), then, with
         ``rename``, the rename, all in one backing-store call: the kernel holds
@@ -579,7 +580,10 @@ class Backing:
         reader's lseek(SEEK_END) of that file waits for it. ``before`` runs
         in the same call just before the rename; neither runs if the loop gave
         up on the call before (a timeout); a rename that may move a pending
-        file of a node other than ``node`` is recorded (renamelog.py).
+        file of a node other than ``node`` is recorded (renamelog.py), and
+        so is one of a file in ``record_ids`` (this node's own, pending
+        under a path another node's rename left stale: its recovery after a
+        crash follows the records).
         FileNotFoundError if ``old`` is
         gone; FileExistsError with ``noreplace`` if ``new`` is not. The third
         entry is the source as the rename left it (its new ctime): None if
@@ -597,7 +601,10 @@ class Backing:
                 raise FileExistsError(errno.EEXIST, f"{new} exists")
             if not rename:
                 return source, target, None
-            record = node if needs_record(source.kind, source.manifest, node) else None
+            recorded = needs_record(source.kind, source.manifest, node) or (
+                source.manifest is not None and source.manifest.file_id in record_ids
+            )
+            record = node if recorded else None
             self._rename_in_call(call, old, new, before, record)
             try:
                 st = os.stat(new, dir_fd=self.root_fd, follow_symlinks=False)

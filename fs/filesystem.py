@@ -516,6 +516,13 @@ class FileSystem:
                     rename=self.mirror is None,
                     before=lambda: self._write_records(records),
                     node=self.cache.node,
+                    record_ids=frozenset(
+                        f.file_id
+                        for f in self.cache.all_files()
+                        if f.role is FileRole.LOCAL
+                        and f.state is FileState.PENDING
+                        and not _at_or_under(f.path, old_path)
+                    ),
                 )
             except FileNotFoundError:
                 raise FsError(errno.ENOENT) from None
@@ -543,6 +550,9 @@ class FileSystem:
                     record_as=(
                         self.cache.node
                         if needs_record(source.kind, source.manifest, self.cache.node)
+                        or any(
+                            f.role is FileRole.LOCAL and f.state is FileState.PENDING for f in stale
+                        )
                         else None
                     ),
                 )
@@ -557,6 +567,8 @@ class FileSystem:
                 # followed the rename: a check of the moved file, so the first
                 # open after a torch.save + os.replace needs no store read.
                 self._checked(inode, moved)
+            # Again after the awaits: a truncate meanwhile forked a version.
+            stale += [f for f in self._known_elsewhere(source, old_path) if f not in stale]
             repathed = self._repath(old_path, new_path)
             for f in stale:
                 if not f.unlinked:

@@ -44,6 +44,12 @@ async def _pending_at(backing: Backing, path: str, key: tuple[str, str]) -> Mani
     return manifest if manifest.state == "pending" else None
 
 
+def _own(manifest: Manifest, node: str) -> bool:
+    # A daemon from before 2bee09f journaled other nodes' files it renamed:
+    # adopting one (no bytes here) would flush zeros for it.
+    return not manifest.holders or manifest.holders[0] == node
+
+
 async def recover(cache: Cache, journal: Journal, backing: Backing, arena: Arena) -> int:
     """Adopt what can be adopted; returns the number of files recovered."""
     records = await journal.run_sync(journal.load)
@@ -72,6 +78,10 @@ async def recover(cache: Cache, journal: Journal, backing: Backing, arena: Arena
                     path = record["path"] = moved
                     break
         slots = _slots(record)
+        if manifest is not None and not _own(manifest, cache.node):
+            log.warning("not recovering %s: written by %s, not this node", path,
+                        manifest.holders[0])  # fmt: skip
+            manifest = None
         if manifest is None or slots & claimed or max(slots, default=-1) >= arena.nslots:
             await journal.run_sync(journal.remove_now, key)
             continue

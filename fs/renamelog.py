@@ -97,6 +97,8 @@ def _prune(dfd: int, now_ns: int) -> None:
                 os.unlink(name, dir_fd=dfd)
         except FileNotFoundError:
             pass  # another node pruned it first
+        except OSError as exc:  # the record itself is written: only the pruning fails
+            log.warning("rename record %s/%s not pruned: %s", RENAMED_DIR, name, exc)
 
 
 def _time_of(name: str) -> int | None:
@@ -161,15 +163,19 @@ class RenameLog:
         ``path`` is walked, in any order, and only the manifest at a path
         decides (file ids are unique: a wrong chain finds another file or
         nothing, never a wrong file)."""
-        records = self.records(root_fd)
+        # Newest first: the rename that moved it is most likely recent (a
+        # job renaming tmp to step_N at each save leaves a record per save).
+        records = self.records(root_fd)[::-1]
         seen = {path}
         frontier = [path]
-        while frontier and len(seen) < MAX_PATHS:
+        while frontier:
             at = frontier.pop(0)
             for r in records:
                 moved = r.apply(at)
                 if moved is None or moved in seen:
                     continue
+                if len(seen) >= MAX_PATHS:
+                    return None
                 seen.add(moved)
                 frontier.append(moved)
                 try:

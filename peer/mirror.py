@@ -825,7 +825,11 @@ class MirrorServer:
             finally:
                 self.cache.end_takeover()
 
-        nursery.start_soon(run)
+        try:
+            nursery.start_soon(run)
+        except BaseException:  # a closed nursery: no takeover will run
+            self.cache.end_takeover()
+            raise
 
     async def take_over(self, origin: str, *, begun: bool = False) -> int:
         """``origin`` died: flush every version of it mirrored here that is

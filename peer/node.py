@@ -112,6 +112,9 @@ class PeerNode:
                     exc.errno, f"cannot listen for peers on {listen}: {exc.strerror}"
                 ) from None
             self.port = listeners[0].socket.getsockname()[1]
+            # Before the membership runs: a death it sees at once must start
+            # a takeover (_dead ignores deaths while there is no nursery).
+            self._nursery = nursery
             await nursery.start(self.membership.run)
             client = await nursery.start(self._run_client)
             addresses = {name: (a.host, a.port) for name, a in self.config.nodes.items()}
@@ -130,7 +133,6 @@ class PeerNode:
                 )
                 nursery.start_soon(self.mirror_client.run)
             nursery.start_soon(self.mirror_server.sweep)
-            self._nursery = nursery
             log.info(
                 "peer server on %s (node %s, buddy %s, %d peer(s))",
                 listen,

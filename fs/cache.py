@@ -220,14 +220,21 @@ class Cache:
     def _fetchable(self, m: Manifest) -> bool:
         return self.peer_fetch is not None and any(h != self.node for h in m.holders)
 
+    def with_id(self, file_id: str) -> list[CachedFile]:
+        """Everything this node has of ``file_id``: its content, versions
+        retired but still held, and mirrors of it (taken over or not)."""
+        return [
+            f
+            for f in [self.files.get(file_id), *self.retired, *self.mirrors.values()]
+            if f is not None and f.file_id == file_id
+        ]
+
     def held_version(self, file_id: str, version: str) -> CachedFile | None:
         """The content of exactly that published version, if this node holds it
         (for a peer's read): never a version being changed here."""
-        for f in [self.files.get(file_id), *self.retired, *self.mirrors.values()]:
+        for f in self.with_id(file_id):
             if (
-                f is not None
-                and f.file_id == file_id
-                and f.version == version
+                f.version == version
                 and f.role is not FileRole.REMOTE
                 and f.state in (FileState.PENDING, FileState.DURABLE)
             ):

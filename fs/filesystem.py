@@ -586,8 +586,10 @@ class FileSystem:
             return []
         return [
             f
-            for f in [*self.cache.all_files(), *self.cache.taken_over()]
-            if f.file_id == m.file_id and not f.unlinked and not _at_or_under(f.path, old_path)
+            for f in self.cache.with_id(m.file_id)
+            if f.role is not FileRole.MIRROR
+            and not f.unlinked
+            and not _at_or_under(f.path, old_path)
         ]
 
     async def _records_renamed(

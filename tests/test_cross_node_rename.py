@@ -36,16 +36,21 @@ def cold_reads(mounts, name: str, files: dict[str, bytes]) -> None:
         c.umount()
 
 
+def writer_and_renamer(mounts, tmp_path: Path):
+    """n1, whose flush is slow (its files stay pending), and n2."""
+    nodes = cluster(mounts, tmp_path, ["n1", "n2"], {"n1": SLOW, "n2": {}})
+    for n in nodes.values():
+        n.allowed_log += PEER_LOGS
+    return nodes["n1"], nodes["n2"]
+
+
 def test_a_checkpoint_directory_renamed_on_another_node_is_made_durable_where_it_is(
     mounts, tmp_path
 ):
     """Ranks on n1 and n2 write their shards into iter_100.tmp; rank 0, on
     n2, renames it to iter_100 and writes the tracker file while n1's shard
     is still flushing. n1 makes its shard durable at the new path."""
-    nodes = cluster(mounts, tmp_path, ["n1", "n2"], {"n1": SLOW, "n2": {}})
-    n1, n2 = nodes["n1"], nodes["n2"]
-    for n in (n1, n2):
-        n.allowed_log += PEER_LOGS
+    n1, n2 = writer_and_renamer(mounts, tmp_path)
     (n2.mnt / "iter_100.tmp").mkdir()
     files = {
         "iter_100/shard0.pt": os.urandom(2 * MiB + 11),
@@ -124,10 +129,7 @@ def test_a_file_still_being_written_when_its_directory_is_renamed_elsewhere_keep
     rank 0 on n2 renames the directory: n1's close publishes it where the
     directory is now, whole, as a local filesystem keeps writes through an
     open file whose directory was renamed."""
-    nodes = cluster(mounts, tmp_path, ["n1", "n2"], {"n1": SLOW, "n2": {}})
-    n1, n2 = nodes["n1"], nodes["n2"]
-    for n in (n1, n2):
-        n.allowed_log += PEER_LOGS
+    n1, n2 = writer_and_renamer(mounts, tmp_path)
     (n1.mnt / "ckpt.tmp").mkdir()
     data = os.urandom(3 * MiB + 1)
     with open(n1.mnt / "ckpt.tmp" / "shard0.pt", "wb") as f:
@@ -151,10 +153,7 @@ def test_renamed_twice_elsewhere_then_once_by_its_writer_it_is_durable_at_the_la
     whose file still has the first path. n1's flush finds it at the end of
     all three (the last rename moves n1's file although n1 never saw the
     first two: it followed the records to the name that rename left)."""
-    nodes = cluster(mounts, tmp_path, ["n1", "n2"], {"n1": SLOW, "n2": {}})
-    n1, n2 = nodes["n1"], nodes["n2"]
-    for n in (n1, n2):
-        n.allowed_log += PEER_LOGS
+    n1, n2 = writer_and_renamer(mounts, tmp_path)
     (n1.mnt / "tmp").mkdir()
     data = os.urandom(2 * MiB + 9)
     (n1.mnt / "tmp" / "x.pt").write_bytes(data)
@@ -174,10 +173,9 @@ def test_a_node_that_renamed_other_nodes_files_and_crashed_recovers_none_of_them
     """Rank 0 on n2 reads the shards n1 wrote (pending there), renames their
     directory, and n2's daemon dies. n2's journal must not name n1's files:
     its recovery adopted them, with no bytes, and flushed zeros as durable."""
-    nodes = cluster(mounts, tmp_path, ["n1", "n2"], {"n1": SLOW, "n2": {}})
-    n1, n2 = nodes["n1"], nodes["n2"]
+    n1, n2 = writer_and_renamer(mounts, tmp_path)
     for n in (n1, n2):
-        n.allowed_log += PEER_LOGS + ["is dead", "taking over", "recovered"]
+        n.allowed_log += ["is dead", "taking over", "recovered"]
     (n1.mnt / "it.tmp").mkdir()
     data = os.urandom(2 * MiB + 21)
     (n1.mnt / "it.tmp" / "shard0.pt").write_bytes(data)

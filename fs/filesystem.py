@@ -516,13 +516,7 @@ class FileSystem:
                     rename=self.mirror is None,
                     before=lambda: self._write_records(records),
                     node=self.cache.node,
-                    record_ids=frozenset(
-                        f.file_id
-                        for f in self.cache.all_files()
-                        if f.role is FileRole.LOCAL
-                        and f.state is FileState.PENDING
-                        and not _at_or_under(f.path, old_path)
-                    ),
+                    record_ids=self._stale_pending_ids(p_old, old, old_path),
                 )
             except FileNotFoundError:
                 raise FsError(errno.ENOENT) from None
@@ -575,6 +569,24 @@ class FileSystem:
                     f.path = new_path
                     repathed.append(f)
         return [f for f in repathed if (f.file_id, f.version) not in records]
+
+    def _stale_pending_ids(self, p_old: int, old: str, old_path: str) -> frozenset[str]:
+        """The id of the file at ``old`` (as the kernel's lookup bound it) if
+        this node holds a pending version of its own of it under a path
+        another node's rename left stale: such a rename is recorded (see
+        rename_reading). By the inode, not a scan of every cached file: this
+        runs at each rename."""
+        inode = self.inodes.child(p_old, old)
+        if inode is None or inode.ident[0] != "file":
+            return frozenset()
+        file_id = str(inode.ident[1])
+        return frozenset(
+            f.file_id
+            for f in self.cache.with_id(file_id)
+            if f.role is FileRole.LOCAL
+            and f.state is FileState.PENDING
+            and not _at_or_under(f.path, old_path)
+        )
 
     def _known_elsewhere(self, source: Entry, old_path: str) -> list[CachedFile]:
         """The renamed file's versions held here under another path: one a

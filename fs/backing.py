@@ -215,7 +215,9 @@ def _replace_manifest(
         return Published.STALE
     if before is not None:
         before()
-    write_manifest(rel, manifest, dir_fd=root, owner=owner, abandoned=call.abandoned)
+    write_manifest(
+        rel, manifest, dir_fd=root, owner=owner, abandoned=call.abandoned, keep_dir_times=True
+    )
     return Published.DONE
 
 

@@ -240,6 +240,7 @@ def write_manifest(
     owner: tuple[int, int] | None = None,
     sync: bool = True,
     abandoned: Callable[[], bool] = lambda: False,
+    keep_dir_times: bool = False,
 ) -> None:
     """Atomically replace ``path`` with ``manifest`` (blocking).
 
@@ -250,13 +251,20 @@ def write_manifest(
     ``dir_fd`` when given, so the backing root does not count against
     PATH_MAX. If ``abandoned()`` is true just before the rename (the caller
     gave up waiting, a newer manifest may be on its way), nothing is replaced.
+
+    ``keep_dir_times``: the name already holds this file (a rewrite of its
+    manifest: the close's, the flusher's, a chmod's), so, as on any POSIX
+    filesystem, the directory's mtime does not move (see DirTimes).
     """
     parent, name = os.path.split(os.fspath(path))
     dfd = open_dir(parent, dir_fd)
     try:
+        times = DirTimes(dfd) if keep_dir_times else None
         tmp = tmp_name(name)
         mode = manifest.mode & 0o7777
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+        if times is not None:
+            times.created()
         try:
             write_all(fd, manifest.to_bytes())
             if owner is not None:
@@ -269,6 +277,8 @@ def write_manifest(
             os.unlink(tmp, dir_fd=dfd)
             raise
         os.close(fd)
+        if times is not None:
+            times.renaming()
         try:
             if abandoned():
                 raise TimeoutError(f"{path}: manifest write abandoned; not replacing")
@@ -276,7 +286,51 @@ def write_manifest(
         except BaseException:
             os.unlink(tmp, dir_fd=dfd)
             raise
+        if times is not None:
+            times.restore()
         if sync:
             fsync_dir(dfd)
     finally:
         os.close(dfd)
+
+
+class DirTimes:
+    """A directory's atime and mtime, put back after a rewrite of a manifest
+    in it (a temporary file created, then renamed over the name), which the
+    directory's own filesystem counts as two changes of it.
+
+    Why: a directory's times are its backing directory's, and a job sorts
+    its checkpoint directories by them (HF Trainer rotates the oldest mtime
+    out): a flush finishing late would make an older checkpoint look the
+    newest. Only our own change is undone: if the directory's mtime moved
+    after the temporary file was created (another process, another node,
+    while the manifest was being written and synced), it is left as it is.
+    A change between the temporary file's creation and the look right after
+    it, or between the rename and the restore (single system calls), or in
+    the same tick of a filesystem's coarse clock (ext4's), is not told from
+    ours and is undone too: the directory's mtime then shows the time before
+    it."""
+
+    def __init__(self, dfd: int) -> None:
+        self._dfd = dfd
+        self._before = os.fstat(dfd)
+        self._created = 0
+        self._changed_by_others = False
+
+    def created(self) -> None:
+        """Right after the temporary file's creation."""
+        self._created = os.fstat(self._dfd).st_mtime_ns
+
+    def renaming(self) -> None:
+        """Right before the rename."""
+        self._changed_by_others = os.fstat(self._dfd).st_mtime_ns != self._created
+
+    def restore(self) -> None:
+        if self._changed_by_others:
+            return
+        if os.fstat(self._dfd).st_mtime_ns == self._before.st_mtime_ns:
+            return
+        try:
+            os.utime(self._dfd, ns=(self._before.st_atime_ns, self._before.st_mtime_ns))
+        except PermissionError:
+            pass  # a daemon not root, in a directory it does not own: the times move

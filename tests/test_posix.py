@@ -312,3 +312,33 @@ def test_o_direct_writes_and_reads_read_back_whole_after_a_cold_remount(mounts):
     for name, data in files.items():
         assert direct_read(m.mnt / name) == data
         assert (m.mnt / name).read_bytes() == data
+
+
+def test_a_directory_mtime_moves_with_its_names_not_with_the_flush(mounts):
+    """HF Trainer rotates out the checkpoint directory with the oldest mtime.
+    A directory's times are its backing directory's, where each manifest
+    rewrite (the close's, the flusher's, a chmod's) is a temporary file
+    renamed over the name: a flush finishing after the next checkpoint's save
+    made the older directory look the newest, and the rotation deleted the
+    newer one. Only a change of its names moves a directory's mtime now."""
+    m = mounts()
+    m.mount(env={"CKPTFS_FLUSH_BANDWIDTH": "256KiB", "CKPTFS_CHUNK_SIZE": "256KiB"})
+    times = {"checkpoint-4": 1_700_000_000_000_000_000, "checkpoint-6": 1_700_000_010_000_000_000}
+    for name, t in times.items():
+        (m.mnt / name).mkdir()
+        (m.mnt / name / "model.pt").write_bytes(os.urandom((1 << 20) + 1))
+        os.utime(m.mnt / name, ns=(t, t))
+    assert m.file_state("checkpoint-6/model.pt") != "durable"  # else the flush is not tested
+    older = m.mnt / "checkpoint-4" / "model.pt"
+    os.chmod(older, 0o600)
+    with open(older, "r+b") as f:  # a rewrite in place: a new version, flushed again
+        f.write(b"x")
+    m.wait_durable(120)
+    assert m.file_state("checkpoint-4/model.pt") == "durable"
+    for name, t in times.items():
+        assert os.stat(m.backing / name).st_mtime_ns == t, name
+        assert os.stat(m.mnt / name).st_mtime_ns == t, name
+    (m.mnt / "checkpoint-6" / "extra.json").write_bytes(b"{}")  # a new name: it moves
+    assert os.stat(m.mnt / "checkpoint-6").st_mtime_ns > times["checkpoint-6"]
+    os.unlink(m.mnt / "checkpoint-4" / "model.pt")
+    assert os.stat(m.mnt / "checkpoint-4").st_mtime_ns > times["checkpoint-4"]

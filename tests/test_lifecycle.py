@@ -336,7 +336,9 @@ def test_check_does_not_call_a_file_saved_again_during_the_check_lost(mounts, mo
     a save of a new version in between makes the daemon answer "not held"
     for the version read. That is a file that changed, not a lost one."""
     m = mounts()
-    m.mount(env={"CKPTFS_FLUSH_BANDWIDTH": "256KiB"})
+    # Several chunks: the first goes out at once, whatever the cap (one
+    # chunk of 3 MiB was often durable before the check read its manifest).
+    m.mount(env={"CKPTFS_FLUSH_BANDWIDTH": "512KiB", "CKPTFS_CHUNK_SIZE": "256KiB"})
     (m.mnt / "last.pt").write_bytes(rand(3 * MiB, 11))
     monkeypatch.setenv("CKPTFS_RUN_DIR", str(m.run_dir))
     from ckptfs.tools import offline_cli

@@ -29,7 +29,9 @@ between rounds), every operation on --ops files, one call at a time:
   ``torch.load(mmap=True, weights_only=True)`` call; the name cached in both, as
   after ``os.path.exists(path)``, and the race window inside that call (from
   torch's own open of the path until its second open returns, and until it
-  starts, timed by wrapping the two calls in this process; see TorchLoad);
+  starts, timed by wrapping the two calls in this process; and torch's
+  first open() call alone, which holds most of the FUSE requests; see
+  TorchLoad);
 - the same windows on the first load of a new version: each checkpoint
   rewritten (a temporary name, then os.replace, as a trainer's save does) and
   flushed, untimed, right before; nothing of it is in the reader's page cache
@@ -107,8 +109,10 @@ OPS = (
     "torch.load(mmap=True)",
     "  race window inside it",
     "  until its reopen starts",
+    "  its first open() call",
     "spaced loads: race window",
     "  spaced: until its reopen starts",
+    "  spaced: its first open() call",
 )
 
 
@@ -200,7 +204,17 @@ def time_windows(paths: list[Path]) -> tuple[list[int], list[int], list[int], li
 class TorchLoad:
     """``torch.load(path, mmap=True, weights_only=True)``, and the race window
     inside it: from torch's own ``open()`` of the path until its second open
-    (``UntypedStorage.from_file``) returns; and until that second open starts.
+    (``UntypedStorage.from_file``) returns; until that second open starts;
+    and, to show where the window goes, the first open() call alone (Python's
+    open: the path walk, the OPEN, and the IOCTL of its isatty; through FUSE,
+    after an idle second, also the mount root's GETATTR and the name's LOOKUP).
+
+    Not a race window by itself: a replace tears the load once the first
+    open's path walk has bound the name (at the walk's start when the name
+    is cached, at its LOOKUP's reply when the kernel had to ask), so the
+    OPEN and the IOCTL that follow are inside the window. What the first
+    call does not hold (torch's parse, its getsize, the second open's start)
+    is the rest of "until its reopen starts".
 
     The second: a replace by this node's processes tears the load only
     before the second open's path walk, which binds it to an inode, as on
@@ -222,13 +236,15 @@ class TorchLoad:
         import torch.serialization
 
         self._torch = torch
-        self._opened = self._reopening = self._reopened = 0
+        self._opened = self._open_returned = self._reopening = self._reopened = 0
         builtin_open = open
         from_file = torch.UntypedStorage.from_file
 
         def timed_open(*args: Any, **kwargs: Any) -> Any:
             self._opened = now_ns()
-            return builtin_open(*args, **kwargs)
+            f = builtin_open(*args, **kwargs)
+            self._open_returned = now_ns()
+            return f
 
         def timed_from_file(*args: Any, **kwargs: Any) -> Any:
             self._reopening = now_ns()
@@ -242,14 +258,20 @@ class TorchLoad:
     def __call__(self, path: Path) -> object:
         return self._torch.load(path, mmap=True, weights_only=True)
 
-    def windows(self, path: Path) -> tuple[int, int]:
+    def windows(self, path: Path) -> tuple[int, int, int]:
         """One load; its race window in ns, until the second open returns
-        and until it starts."""
-        self._opened = self._reopening = self._reopened = 0
+        and until it starts, and its first open() call."""
+        self._opened = self._open_returned = self._reopening = self._reopened = 0
         self(path)
-        if not (self._opened and self._reopened > self._reopening > self._opened):
+        if not (
+            self._opened and self._reopened > self._reopening > self._open_returned > self._opened
+        ):
             raise BenchError(f"torch.load({path}, mmap=True) did not open the path twice")
-        return self._reopened - self._opened, self._reopening - self._opened
+        return (
+            self._reopened - self._opened,
+            self._reopening - self._opened,
+            self._open_returned - self._opened,
+        )
 
 
 def torch_loader() -> TorchLoad | None:
@@ -360,50 +382,54 @@ def one_round(
         s["race window, new version"] += race
     if load is not None:
         s["torch.load(mmap=True)"] = time_each(load, target.zips, before=os.stat)
-        s["  race window inside it"], s["  until its reopen starts"] = load_windows(
-            load, target.zips
-        )
+        (
+            s["  race window inside it"],
+            s["  until its reopen starts"],
+            s["  its first open() call"],
+        ) = load_windows(load, target.zips)
         count, gap = spaced
         if count:
-            s["spaced loads: race window"], s["  spaced: until its reopen starts"] = (
-                spaced_load_windows(load, target.checkpoints[0], count, gap)
-            )
+            (
+                s["spaced loads: race window"],
+                s["  spaced: until its reopen starts"],
+                s["  spaced: its first open() call"],
+            ) = spaced_load_windows(load, target.checkpoints[0], count, gap)
     return s
 
 
-def load_windows(load: TorchLoad, paths: list[Path]) -> tuple[list[int], list[int]]:
+Windows = tuple[list[int], list[int], list[int]]
+
+
+def load_windows(load: TorchLoad, paths: list[Path]) -> Windows:
     """The race windows of each torch.load(mmap=True), its name cached:
-    until the second open returns, and until it starts."""
-    whole, until_reopen = [], []
+    until the second open returns, until it starts, and the first open() call."""
+    windows: Windows = ([], [], [])
     gc.disable()
     try:
         for path in paths:
             os.stat(path)
-            a, b = load.windows(path)
-            whole.append(a)
-            until_reopen.append(b)
+            for samples, value in zip(windows, load.windows(path), strict=True):
+                samples.append(value)
     finally:
         gc.enable()
-    return whole, until_reopen
+    return windows
 
 
-def spaced_load_windows(
-    load: TorchLoad, path: Path, count: int, gap: float
-) -> tuple[list[int], list[int]]:
+def spaced_load_windows(load: TorchLoad, path: Path, count: int, gap: float) -> Windows:
     """The race windows of ``count`` loads of ``path``, ``gap`` seconds
-    apart with nothing in between: until the second open returns, and until
-    it starts."""
-    whole, until_reopen = [], []
+    apart with nothing in between: until the second open returns, until it
+    starts, and the first open() call."""
+    windows: Windows = ([], [], [])
     for _ in range(count):
         time.sleep(gap)
         gc.disable()
         try:
-            a, b = load.windows(path)
+            measured = load.windows(path)
         finally:
             gc.enable()
-        whole.append(a)
-        until_reopen.append(b)
-    return whole, until_reopen
+        for samples, value in zip(windows, measured, strict=True):
+            samples.append(value)
+    return windows
 
 
 # ----- the report -----------------------------------------------------------------------------
@@ -500,7 +526,8 @@ def context(
         "'new version': the same on the first load of each checkpoint after it was saved "
         "again (temporary name, os.replace) and flushed, untimed; torch.load the same way "
         "as 'reopen window'; its race window: from torch's own open() of the path until "
-        "its second open (UntypedStorage.from_file) returns, timed by wrapping the two",
+        "its second open (UntypedStorage.from_file) returns, timed by wrapping the two; "
+        "'its first open() call': torch's open() of the path alone (see TorchLoad)",
         f"spaced loads: {args.spaced} torch.load(mmap=True) of one checkpoint per round, "
         f"{args.gap:g}s apart, nothing in between (no stat)",
         "ratio = ckptfs / plain (time); µs = microseconds",

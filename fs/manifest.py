@@ -11,6 +11,7 @@ replaces.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -259,39 +260,53 @@ def write_manifest(
     parent, name = os.path.split(os.fspath(path))
     dfd = open_dir(parent, dir_fd)
     try:
-        times = DirTimes(dfd) if keep_dir_times else None
-        tmp = tmp_name(name)
-        mode = manifest.mode & 0o7777
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=dfd)
-        if times is not None:
-            times.created()
-        try:
-            write_all(fd, manifest.to_bytes())
-            if owner is not None:
-                os.fchown(fd, *owner)
-            os.fchmod(fd, mode)  # after fchown, which may clear setuid/setgid
-            if sync:
-                os.fsync(fd)
-        except BaseException:
+        # Our own rewrites in one directory one at a time: a concurrent one's
+        # temporary file would look like another process's change (DirTimes).
+        with _dir_lock(dfd) if keep_dir_times else contextlib.nullcontext():
+            times = DirTimes(dfd) if keep_dir_times else None
+            tmp = tmp_name(name)
+            mode = manifest.mode & 0o7777
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+            fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
+            if times is not None:
+                times.created()
+            try:
+                write_all(fd, manifest.to_bytes())
+                if owner is not None:
+                    os.fchown(fd, *owner)
+                os.fchmod(fd, mode)  # after fchown, which may clear setuid/setgid
+                if sync:
+                    os.fsync(fd)
+            except BaseException:
+                os.close(fd)
+                os.unlink(tmp, dir_fd=dfd)
+                raise
             os.close(fd)
-            os.unlink(tmp, dir_fd=dfd)
-            raise
-        os.close(fd)
-        if times is not None:
-            times.renaming()
-        try:
-            if abandoned():
-                raise TimeoutError(f"{path}: manifest write abandoned; not replacing")
-            os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-        except BaseException:
-            os.unlink(tmp, dir_fd=dfd)
-            raise
-        if times is not None:
-            times.restore()
+            if times is not None:
+                times.renaming()
+            try:
+                if abandoned():
+                    raise TimeoutError(f"{path}: manifest write abandoned; not replacing")
+                os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except BaseException:
+                os.unlink(tmp, dir_fd=dfd)
+                raise
+            if times is not None:
+                times.restore()
         if sync:
             fsync_dir(dfd)
     finally:
         os.close(dfd)
+
+
+_DIR_LOCKS = tuple(threading.Lock() for _ in range(64))
+
+
+def _dir_lock(dfd: int) -> threading.Lock:
+    """This process's lock for the directory ``dfd`` (striped: a bounded set,
+    two directories may share one)."""
+    st = os.fstat(dfd)
+    return _DIR_LOCKS[hash((st.st_dev, st.st_ino)) % len(_DIR_LOCKS)]
 
 
 class DirTimes:

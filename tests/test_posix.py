@@ -342,3 +342,51 @@ def test_a_directory_mtime_moves_with_its_names_not_with_the_flush(mounts):
     assert os.stat(m.mnt / "checkpoint-6").st_mtime_ns > times["checkpoint-6"]
     os.unlink(m.mnt / "checkpoint-4" / "model.pt")
     assert os.stat(m.mnt / "checkpoint-4").st_mtime_ns > times["checkpoint-4"]
+
+
+def test_concurrent_manifest_rewrites_in_one_directory_keep_its_mtime(tmp_path):
+    """The flusher's workers publish several files of one checkpoint at once
+    (after a crash's recovery, all of them): each one's temporary file looked
+    to the others like another process's change, so none put the times back
+    (the HF crash-case test in CI kept a recovered older checkpoint)."""
+    import threading
+
+    from ckptfs.fs.manifest import Manifest, new_id, write_manifest
+
+    d = tmp_path / "checkpoint-4"
+    d.mkdir()
+    manifests = [
+        Manifest(
+            file_id=new_id(),
+            version=new_id(),
+            size=0,
+            mode=0o100644,
+            mtime_ns=0,
+            state="pending",
+            holders=["n1"],
+            chunks=[],
+            chunking="fixed",
+        )
+        for _ in range(6)
+    ]
+    for i, m in enumerate(manifests):
+        write_manifest(d / f"shard{i}.pt", m, sync=False)
+    t = 1_700_000_000_000_000_000
+    os.utime(d, ns=(t, t))
+    errors: list[BaseException] = []
+
+    def rewrite(i: int) -> None:
+        try:
+            for _ in range(30):
+                write_manifest(d / f"shard{i}.pt", manifests[i], keep_dir_times=True)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rewrite, args=(i,)) for i in range(len(manifests))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not errors and not any(th.is_alive() for th in threads)
+    assert os.stat(d).st_mtime_ns == t
+    assert sorted(os.listdir(d)) == [f"shard{i}.pt" for i in range(len(manifests))]

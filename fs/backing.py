@@ -22,9 +22,11 @@ from typing import Any
 from .blocking import BackingIO, Call
 from .chunkstore import CKPTFS_DIR
 from .manifest import (
+    DirTimes,
     Manifest,
     ManifestError,
     ParsedManifests,
+    dir_times_kept,
     fsync_dir,
     is_tmp_name,
     manifest_from_fd,
@@ -320,7 +322,10 @@ def _takeover_manifest(
             # time against its own fence.
             return Published.NAME_GONE
         try:
-            return _link_over(call, dfd, name, manifest, file_id, expect_version)
+            # It rewrites the name's manifest as a flush does: the
+            # directory's times stay (DirTimes).
+            with dir_times_kept(dfd) as times:
+                return _link_over(call, dfd, name, manifest, file_id, expect_version, times)
         finally:
             os.close(dfd)
     finally:
@@ -337,8 +342,11 @@ def _link_over(
     manifest: Manifest,
     file_id: str,
     expect_version: str,
+    times: DirTimes,
 ) -> Published:
-    """The fenced publish itself, in the directory ``dfd`` (see _takeover_manifest)."""
+    """The fenced publish itself, in the directory ``dfd`` (see
+    _takeover_manifest), each change of the directory's names counted in
+    ``times``."""
     aside = tmp_name(name)
     new = tmp_name(name)
     try:
@@ -350,9 +358,10 @@ def _link_over(
             return Published.NAME_GONE
         # In the directory held open: by path, a directory removed and made
         # again since would get the temporary name, and keep it.
-        write_manifest(new, manifest, dir_fd=dfd, owner=(st.st_uid, st.st_gid))
+        write_manifest(new, manifest, dir_fd=dfd, owner=(st.st_uid, st.st_gid), dir_times=times)
         try:
-            os.rename(name, aside, src_dir_fd=dfd, dst_dir_fd=dfd)
+            with times.change():
+                os.rename(name, aside, src_dir_fd=dfd, dst_dir_fd=dfd)
         except FileNotFoundError:
             return Published.NAME_GONE
         try:
@@ -362,7 +371,8 @@ def _link_over(
                 current = None
             if current is None or current.file_id != file_id or current.version != expect_version:
                 try:
-                    os.link(aside, name, src_dir_fd=dfd, dst_dir_fd=dfd)  # put it back
+                    with times.change():
+                        os.link(aside, name, src_dir_fd=dfd, dst_dir_fd=dfd)  # put it back
                 except FileExistsError:
                     pass  # something newer was published meanwhile: it stays
                 fsync_dir(dfd)
@@ -370,10 +380,11 @@ def _link_over(
                     return Published.NAME_GONE
                 return Published.STALE
             try:
-                if call.abandoned():
-                    os.link(aside, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-                    return Published.STALE
-                os.link(new, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                with times.change():
+                    if call.abandoned():
+                        os.link(aside, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                        return Published.STALE
+                    os.link(new, name, src_dir_fd=dfd, dst_dir_fd=dfd)
             except FileExistsError:
                 return Published.STALE  # newer than what we took over: it stays
             finally:
@@ -381,12 +392,14 @@ def _link_over(
             return Published.DONE
         finally:
             try:
-                os.unlink(aside, dir_fd=dfd)
+                with times.change():
+                    os.unlink(aside, dir_fd=dfd)
             except FileNotFoundError:
                 pass
     finally:
         try:
-            os.unlink(new, dir_fd=dfd)
+            with times.change():
+                os.unlink(new, dir_fd=dfd)
         except FileNotFoundError:
             pass
 

@@ -17,7 +17,7 @@ import os
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -242,6 +242,7 @@ def write_manifest(
     sync: bool = True,
     abandoned: Callable[[], bool] = lambda: False,
     keep_dir_times: bool = False,
+    dir_times: DirTimes | None = None,
 ) -> None:
     """Atomically replace ``path`` with ``manifest`` (blocking).
 
@@ -256,47 +257,60 @@ def write_manifest(
     ``keep_dir_times``: the name already holds this file (a rewrite of its
     manifest: the close's, the flusher's, a chmod's), so, as on any POSIX
     filesystem, the directory's mtime does not move (see DirTimes).
+    ``dir_times``: one step of a longer rewrite whose caller keeps the
+    times (``dir_times_kept``): the changes made here are counted as ours.
     """
     parent, name = os.path.split(os.fspath(path))
     dfd = open_dir(parent, dir_fd)
     try:
-        # Our own rewrites in one directory one at a time: a concurrent one's
-        # temporary file would look like another process's change (DirTimes).
-        with _dir_lock(dfd) if keep_dir_times else contextlib.nullcontext():
-            times = DirTimes(dfd) if keep_dir_times else None
-            tmp = tmp_name(name)
-            mode = manifest.mode & 0o7777
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-            fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
-            if times is not None:
-                times.created()
-            try:
-                write_all(fd, manifest.to_bytes())
-                if owner is not None:
-                    os.fchown(fd, *owner)
-                os.fchmod(fd, mode)  # after fchown, which may clear setuid/setgid
-                if sync:
-                    os.fsync(fd)
-            except BaseException:
-                os.close(fd)
-                os.unlink(tmp, dir_fd=dfd)
-                raise
-            os.close(fd)
-            if times is not None:
-                times.renaming()
-            try:
-                if abandoned():
-                    raise TimeoutError(f"{path}: manifest write abandoned; not replacing")
-                os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-            except BaseException:
-                os.unlink(tmp, dir_fd=dfd)
-                raise
-            if times is not None:
-                times.restore()
+        if keep_dir_times:
+            with dir_times_kept(dfd) as times:
+                _write_at(dfd, name, path, manifest, owner, sync, abandoned, times)
+        else:
+            _write_at(dfd, name, path, manifest, owner, sync, abandoned, dir_times)
         if sync:
             fsync_dir(dfd)
     finally:
         os.close(dfd)
+
+
+def _write_at(
+    dfd: int,
+    name: str,
+    path: str | os.PathLike[str],
+    manifest: Manifest,
+    owner: tuple[int, int] | None,
+    sync: bool,
+    abandoned: Callable[[], bool],
+    times: DirTimes | None,
+) -> None:
+    """write_manifest's temporary file and rename, in the directory ``dfd``."""
+    ours = times.change if times is not None else contextlib.nullcontext
+    tmp = tmp_name(name)
+    mode = manifest.mode & 0o7777
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    with ours():
+        fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
+    try:
+        write_all(fd, manifest.to_bytes())
+        if owner is not None:
+            os.fchown(fd, *owner)
+        os.fchmod(fd, mode)  # after fchown, which may clear setuid/setgid
+        if sync:
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp, dir_fd=dfd)
+        raise
+    os.close(fd)
+    try:
+        if abandoned():
+            raise TimeoutError(f"{path}: manifest write abandoned; not replacing")
+        with ours():
+            os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except BaseException:
+        os.unlink(tmp, dir_fd=dfd)
+        raise
 
 
 _DIR_LOCKS = tuple(threading.Lock() for _ in range(64))
@@ -309,36 +323,55 @@ def _dir_lock(dfd: int) -> threading.Lock:
     return _DIR_LOCKS[hash((st.st_dev, st.st_ino)) % len(_DIR_LOCKS)]
 
 
+@contextlib.contextmanager
+def dir_times_kept(dfd: int) -> Iterator[DirTimes]:
+    """For a rewrite of a name's manifest in the directory ``dfd`` made of
+    several changes (each inside ``DirTimes.change``): the directory's times
+    put back when it ends without an error. This process's rewrites in one
+    directory go one at a time: a concurrent one's temporary file would look
+    like another process's change, and neither would put the times back."""
+    with _dir_lock(dfd):
+        # Read under the lock: another rewrite's temporary file must not be
+        # taken for the times before.
+        times = DirTimes(dfd)
+        yield times
+        times.restore()
+
+
 class DirTimes:
     """A directory's atime and mtime, put back after a rewrite of a manifest
-    in it (a temporary file created, then renamed over the name), which the
-    directory's own filesystem counts as two changes of it.
+    in it, which the directory's own filesystem counts as several changes of
+    it (a temporary file created, then renamed over the name; a takeover's
+    fenced publish also moves the old one aside, links, unlinks).
 
     Why: a directory's times are its backing directory's, and a job sorts
     its checkpoint directories by them (HF Trainer rotates the oldest mtime
-    out): a flush finishing late would make an older checkpoint look the
-    newest. Only our own change is undone: if the directory's mtime moved
-    after the temporary file was created (another process, another node,
-    while the manifest was being written and synced), it is left as it is.
-    A change between the temporary file's creation and the look right after
-    it, or between the rename and the restore (single system calls), or in
-    the same tick of a filesystem's coarse clock (ext4's), is not told from
-    ours and is undone too: the directory's mtime then shows the time before
-    it."""
+    out): a flush or a takeover finishing late would make an older
+    checkpoint look the newest. Only our own changes are undone: if the
+    directory's mtime moved between two of ours (another process, another
+    node, while the manifest was being written and synced), it is left as it
+    is. A change between one of ours and the look right after it, or
+    between our last one and the restore (single system calls), or in the
+    same tick of a filesystem's coarse clock (ext4's), is not told from ours
+    and is undone too: the directory's mtime then shows the time before it."""
 
     def __init__(self, dfd: int) -> None:
         self._dfd = dfd
         self._before = os.fstat(dfd)
-        self._created = 0
+        self._ours = self._before.st_mtime_ns  # the mtime right after our last change
         self._changed_by_others = False
 
-    def created(self) -> None:
-        """Right after the temporary file's creation."""
-        self._created = os.fstat(self._dfd).st_mtime_ns
-
-    def renaming(self) -> None:
-        """Right before the rename."""
-        self._changed_by_others = os.fstat(self._dfd).st_mtime_ns != self._created
+    @contextlib.contextmanager
+    def change(self) -> Iterator[None]:
+        """Around one change of ours to the directory (a create, a rename, a
+        link, an unlink): the mtime moved since our last one only if someone
+        else changed the directory in between (a manifest's write and sync)."""
+        if os.fstat(self._dfd).st_mtime_ns != self._ours:
+            self._changed_by_others = True
+        try:
+            yield
+        finally:
+            self._ours = os.fstat(self._dfd).st_mtime_ns
 
     def restore(self) -> None:
         if self._changed_by_others:

@@ -87,6 +87,61 @@ def test_a_takeover_publishes_only_over_the_version_it_mirrored(tmp_path: Path):
     trio.run(main)
 
 
+def test_a_takeover_publish_keeps_its_directory_times(tmp_path: Path):
+    """A takeover rewrites a name's manifest (moved aside, the new one
+    linked in), as a flush does: the checkpoint directory's mtime, by which
+    HF Trainer rotates checkpoints out, must not move. A change of the
+    directory by someone else meanwhile still moves it."""
+    d = tmp_path / "checkpoint-4"
+    d.mkdir()
+    t = 1_700_000_000_000_000_000
+    write_manifest(d / "a.pt", pending("f1", "v1", ["n1", "n2"]))
+    write_manifest(d / "b.pt", pending("f2", "v2", ["n1"]))  # a newer version than mirrored
+    os.utime(d, ns=(t, t))
+
+    async def main() -> None:
+        b = Backing(tmp_path, BackingIO(5))
+        r = await b.takeover_manifest("checkpoint-4/a.pt", durable("f1", "v1"), file_id="f1",
+                                      expect_version="v1")  # fmt: skip
+        assert r is Published.DONE
+        assert read_manifest(d / "a.pt").state == "durable"
+        assert os.stat(d).st_mtime_ns == t
+        r = await b.takeover_manifest("checkpoint-4/b.pt", durable("f2", "v1"), file_id="f2",
+                                      expect_version="v1")  # fmt: skip
+        assert r is Published.STALE  # put back
+        assert read_manifest(d / "b.pt").version == "v2"
+        assert os.stat(d).st_mtime_ns == t
+        assert sorted(os.listdir(d)) == ["a.pt", "b.pt"]
+
+    trio.run(main)
+
+
+def test_a_change_by_another_node_during_a_takeover_moves_the_directory_mtime(
+    tmp_path: Path, monkeypatch
+):
+    t = 1_700_000_000_000_000_000
+    real_write = backing_mod.write_manifest
+
+    def write_then_another_node_creates(*args, **kwargs):
+        real_write(*args, **kwargs)  # the new manifest, under its temporary name
+        (tmp_path / "d" / "extra.json").write_bytes(b"{}")  # meanwhile, elsewhere
+
+    (tmp_path / "d").mkdir()
+    write_manifest(tmp_path / "d" / "a.pt", pending("f1", "v1", ["n1", "n2"]))
+    os.utime(tmp_path / "d", ns=(t, t))
+    monkeypatch.setattr(backing_mod, "write_manifest", write_then_another_node_creates)
+
+    async def main() -> None:
+        b = Backing(tmp_path, BackingIO(5))
+        r = await b.takeover_manifest("d/a.pt", durable("f1", "v1"), file_id="f1",
+                                      expect_version="v1")  # fmt: skip
+        assert r is Published.DONE
+
+    trio.run(main)
+    assert os.stat(tmp_path / "d").st_mtime_ns > t
+    assert sorted(os.listdir(tmp_path / "d")) == ["a.pt", "extra.json"]
+
+
 def _race(tmp_path: Path, monkeypatch, writer_publishes) -> tuple[Published, Published]:
     """Run a takeover of v1 and stop it right after it moved the manifest
     aside; ``writer_publishes(backing)`` runs then, in that instant."""

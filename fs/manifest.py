@@ -358,7 +358,9 @@ class DirTimes:
     def __init__(self, dfd: int) -> None:
         self._dfd = dfd
         self._before = os.fstat(dfd)
-        self._ours = self._before.st_mtime_ns  # the mtime right after our last change
+        # The mtime right after our last change; None before the first,
+        # which follows this look at once (no second look needed).
+        self._ours: int | None = None
         self._changed_by_others = False
 
     @contextlib.contextmanager
@@ -366,7 +368,7 @@ class DirTimes:
         """Around one change of ours to the directory (a create, a rename, a
         link, an unlink): the mtime moved since our last one only if someone
         else changed the directory in between (a manifest's write and sync)."""
-        if os.fstat(self._dfd).st_mtime_ns != self._ours:
+        if self._ours is not None and os.fstat(self._dfd).st_mtime_ns != self._ours:
             self._changed_by_others = True
         try:
             yield
@@ -374,9 +376,7 @@ class DirTimes:
             self._ours = os.fstat(self._dfd).st_mtime_ns
 
     def restore(self) -> None:
-        if self._changed_by_others:
-            return
-        if os.fstat(self._dfd).st_mtime_ns == self._before.st_mtime_ns:
+        if self._changed_by_others or self._ours in (None, self._before.st_mtime_ns):
             return
         try:
             os.utime(self._dfd, ns=(self._before.st_atime_ns, self._before.st_mtime_ns))

@@ -175,6 +175,12 @@ class Cache:
         # Mirror ids whose content the writer abandoned for good: a page of
         # one still in flight must not bring it back (bounded, oldest out).
         self._gone_mirrors: dict[str, None] = {}
+        # Mirrors kept for handles here that read their version (FileRole.KEPT),
+        # by (file id, version); they count as mirrored RAM until dropped.
+        self.kept_mirrors: dict[tuple[str, str], CachedFile] = {}
+        # Versions whose mirror here was dropped (bounded, oldest out): an
+        # open here of one that nothing holds here any more is sent back.
+        self._dropped_versions: dict[tuple[str, str], None] = {}
         # Takeovers under way (a dead writer's mirrors are looked at one by
         # one across store reads before each becomes TAKEOVER): an unmount
         # waits for them to end, or it could miss files turned over later.
@@ -225,7 +231,12 @@ class Cache:
         retired but still held, and mirrors of it (taken over or not)."""
         return [
             f
-            for f in [self.files.get(file_id), *self.retired, *self.mirrors.values()]
+            for f in [
+                self.files.get(file_id),
+                *self.retired,
+                *self.mirrors.values(),
+                *self.kept_mirrors.values(),
+            ]
             if f is not None and f.file_id == file_id
         ]
 
@@ -388,6 +399,9 @@ class Cache:
         if self.mirrors.get(f.mirror_id) is f:
             del self.mirrors[f.mirror_id]
             self.mirror_slots -= f.ram_count
+        elif f.role is FileRole.KEPT and self.kept_mirrors.get((f.file_id, f.version)) is f:
+            del self.kept_mirrors[(f.file_id, f.version)]
+            self.mirror_slots -= f.ram_count
         self._release_pages(f, list(f.pages))
         self._resident.pop(f, None)
         self.retired.discard(f)
@@ -396,9 +410,39 @@ class Cache:
 
     def let_go(self, f: CachedFile) -> None:
         """A handle or an inode of ``f`` is gone: an unlinked file nothing can
-        read any more is dropped."""
+        read any more is dropped, and so is a mirror kept for its readers."""
         if f.unlinked and not self._referenced(f):
             self.drop(f)
+        if self.kept_mirrors:
+            self._release_kept(f.file_id, f.version)
+
+    def _read_here(self, file_id: str, version: str) -> bool:
+        """Whether a handle here reads that version of ``file_id`` (one
+        pending elsewhere when it was opened, or made durable since)."""
+        return any(
+            f is not None
+            and f.file_id == file_id
+            and f.version == version
+            and f.role in (FileRole.REMOTE, FileRole.LOCAL)
+            and f.handles > 0
+            for f in [self.files.get(file_id), *self.retired]
+        )
+
+    def _release_kept(self, file_id: str, version: str) -> None:
+        kept = self.kept_mirrors.get((file_id, version))
+        if kept is not None and not self._read_here(file_id, version):
+            self.drop(kept)
+
+    def dropped_here(self, f: CachedFile) -> bool:
+        """Whether ``f`` is a version pending elsewhere whose mirror this node
+        had and dropped (its writer let go of it) before a handle here held
+        it: its holders may not serve it any more, so an open of it is sent
+        back to look at the name again."""
+        return (
+            f.role is FileRole.REMOTE
+            and (f.file_id, f.version) in self._dropped_versions
+            and self.held_version(f.file_id, f.version) is None
+        )
 
     @staticmethod
     def _referenced(f: CachedFile) -> bool:
@@ -888,6 +932,22 @@ class Cache:
         return True
 
     def _drop_mirror(self, f: CachedFile) -> None:
+        """The writer let go of mirror ``f``: dropped, unless handles here read
+        its version (a REMOTE file opened while it was pending, read from
+        this mirror): the writer may have replaced or removed it, and a
+        read through those handles (a page of a torch.load(mmap=True)'s
+        mapping) would find that version nowhere. Kept (KEPT) for them."""
+        key = (f.file_id, f.version)
+        if f.state is FileState.PENDING and f.role is FileRole.MIRROR:
+            self._dropped_versions[key] = None
+            if len(self._dropped_versions) > MAX_GONE_MIRRORS:
+                del self._dropped_versions[next(iter(self._dropped_versions))]
+            if self._read_here(*key) and key not in self.kept_mirrors:
+                self.mirrors.pop(f.mirror_id, None)
+                f.role = FileRole.KEPT
+                self.kept_mirrors[key] = f
+                self._notify(f)
+                return
         self.drop(f)
 
     def mirrors_of(self, origin: str) -> list[CachedFile]:

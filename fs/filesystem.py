@@ -599,7 +599,7 @@ class FileSystem:
         return [
             f
             for f in self.cache.with_id(m.file_id)
-            if f.role is not FileRole.MIRROR
+            if f.role not in (FileRole.MIRROR, FileRole.KEPT)
             and not f.unlinked
             and not _at_or_under(f.path, old_path)
         ]
@@ -754,6 +754,13 @@ class FileSystem:
                 f"{f.path}: being flushed by {', '.join(f.holders)}; only O_TRUNC may rewrite it",
             )
         if not writable:
+            if self.cache.dropped_here(f) and self._first_stale_open(caller.tid):
+                # Its mirror here went (durable, replaced or removed by its
+                # writer) after the manifest was read: no holder may serve
+                # it, and a read of a mapping that fails is SIGBUS. The
+                # kernel looks the name up again and opens what is there.
+                inode.checked = None
+                raise FsError(errno.ESTALE, f"{f.path}: its writer let go of this version")
             return self._opened(inode, f, caller)
         # Right before the handle, with no await between: a writer through
         # the page cache holds a page's lock while its WRITE waits for the
@@ -777,7 +784,9 @@ class FileSystem:
         if inode.kind != "file" or self._open_waits_for_rename(inode, caller) is not None:
             return None
         f = self._file_now(inode, writable=False)
-        return None if f is None else self._opened(inode, f, caller)
+        if f is None or self.cache.dropped_here(f):
+            return None  # (the loop's open sends a dropped version back)
+        return self._opened(inode, f, caller)
 
     def _being_replaced(self, inode: Inode) -> trio.Event | None:
         """Set once no rename onto the inode's name is in flight; None if none is now."""

@@ -44,6 +44,10 @@ class FileRole(Enum):
     # only over the very version it mirrored (fenced, see docs/STATES.md).
     TAKEOVER = "takeover"
     REMOTE = "remote"  # written elsewhere: this node only reads it
+    # A mirror whose writer let go of it (that version became durable, or was
+    # replaced or removed there) while handles here read that version: kept
+    # for them (and served to peers), never flushed, dropped with the last.
+    KEPT = "kept"
 
 
 class MirrorState(Enum):

@@ -935,6 +935,7 @@ class MirrorServer:
         return {
             "mirrored_bytes": self.cache.mirrored_bytes(),
             "mirrors": len(mirrors),
+            "kept_for_readers": len(self.cache.kept_mirrors),
             "mirrored_files": sorted(
                 f"{f.origin}:{f.path or f.file_id}" for f in mirrors if f.state is FileState.PENDING
             )[:50],

@@ -574,3 +574,74 @@ def test_a_file_recovered_after_a_daemon_crash_and_renamed_is_taken_over_at_its_
     assert not (n1.backing / "model.pt.tmp").exists()
     assert (n2.mnt / "model.pt").read_bytes() == data
     wait_for(lambda: n2.stat()["mirroring"]["mirrors"] == 0, 30, "no mirror of n1 left on n2")
+
+
+# Maps a file (argv: path), reads its first MiB, says "mapped", waits for a
+# line on stdin, then reads every mapped byte and prints their SHA-256. A
+# read of the mapping that the filesystem fails is SIGBUS, so in a process of
+# its own.
+MAPPED_READER = """
+import hashlib, mmap, sys
+with open(sys.argv[1], "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+    m[: 1 << 20]
+    print("mapped", flush=True)
+    sys.stdin.readline()
+    print(hashlib.sha256(m[:]).hexdigest(), flush=True)
+"""
+
+
+def test_the_buddys_open_files_read_their_version_after_the_writer_replaced_it(mounts, tmp_path):
+    """n2 (n1's buddy) has a file of n1's open, read from its own mirror, and
+    n1 replaces it (torch.save to a temporary name, os.replace): while it was
+    pending, and once it was durable. n2's open handles (a read, a mapping)
+    read on the whole version they opened from the mirror n2 keeps for them,
+    not ESTALE (nor SIGBUS, which killed a torch.load(mmap=True) in CI); a
+    new open reads the new file; the kept mirror goes with the last handle."""
+    import hashlib
+
+    # A 40 MiB file takes n1 about 10 s to flush: n2 opens it while pending.
+    nodes = cluster(mounts, tmp_path, ["n1", "n2"], {"n1": {"CKPTFS_FLUSH_BANDWIDTH": "4MiB"}})
+    n1, n2 = nodes["n1"], nodes["n2"]
+    for m in (n1, n2):
+        m.allowed_log += PEER_LOGS
+    for when in ("pending", "durable"):
+        name = f"{when}.pt"
+        old, new = os.urandom(40 * MiB + 3), os.urandom(40 * MiB + 5)
+        (n1.mnt / name).write_bytes(old)
+        fd = os.open(n2.mnt / name, os.O_RDONLY | os.O_DIRECT)
+        mapped = subprocess.Popen(
+            [sys.executable, "-c", MAPPED_READER, str(n2.mnt / name)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert mapped.stdout is not None and mapped.stdin is not None
+            assert mapped.stdout.readline() == "mapped\n"
+            assert os.pread(fd, MiB, 0) == old[:MiB]
+            if when == "durable":
+                n1.wait_durable()
+            assert read_manifest(n1.backing / name).state == when
+            (n1.mnt / "tmp").write_bytes(new)
+            os.replace(n1.mnt / "tmp", n1.mnt / name)
+            with open(n2.mnt / name, "rb") as f:  # a new open: the new file
+                assert f.read(MiB) == new[:MiB]
+            got, off = bytearray(), 0
+            while chunk := os.pread(fd, 4 * MiB, off):
+                got += chunk
+                off += len(chunk)
+            assert got == old, f"{when}: the open handle's bytes differ from its version"
+            mapped.stdin.write("go\n")
+            mapped.stdin.flush()
+            digest = mapped.stdout.readline().strip()
+            assert mapped.wait(timeout=60) == 0, f"{when}: mapped reader died: {mapped.returncode}"
+            assert digest == hashlib.sha256(old).hexdigest(), f"{when}: mapped bytes differ"
+        finally:
+            os.close(fd)
+            if mapped.poll() is None:
+                mapped.kill()
+            mapped.wait(timeout=60)
+        assert (n2.mnt / name).read_bytes() == new
+        assert n2.stat()["lost"] == []
+        wait_for(lambda: n2.stat()["mirroring"]["kept_for_readers"] == 0, 30, "kept mirror dropped")
+    n1.wait_durable()
+    n1.umount()
+    n2.umount()

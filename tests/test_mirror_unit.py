@@ -227,6 +227,10 @@ async def _no_manifest(path: str) -> Manifest | None:
     return None
 
 
+async def _unreachable_peers(*args: object) -> bytes:
+    raise OSError(errno.EHOSTUNREACH, "no peer answers in this test")
+
+
 def buddy_of_n1(cache: Cache) -> MirrorServer:
     """The mirror server of n1's buddy over ``cache``; n1 is alive, and its
     busy batches wait at most 0.1 s (half of a 0.2 s timeout)."""
@@ -1261,3 +1265,54 @@ def test_a_file_that_falls_back_is_not_recorded_as_mirrored(tmp_path: Path):
     assert f.mirrored_at is not None
     cache.set_mirror(f, MirrorState.FALLBACK)
     assert f.mirrored_at is None
+
+
+def test_a_mirror_dropped_while_a_handle_here_reads_its_version_is_kept_for_it(tmp_path: Path):
+    """The buddy has a version of n1's file open here (REMOTE, read from its
+    own mirror) when n1 lets go of the mirror: replaced or removed there
+    (drop of any version), or durable (drop of that version). The mirror is
+    kept (KEPT) for the handle: read here and served to peers, never taken
+    over, its RAM still counted, dropped when the last handle goes. A drop
+    with no handle here drops it; an open of such a version is sent back."""
+
+    async def main() -> None:
+        cache = make_cache(tmp_path)
+        cache.peer_fetch = _unreachable_peers  # peers exist: pending elsewhere is REMOTE
+        for n, version in enumerate(["", "v1"]):
+            mid, data = f"m{n}", os.urandom(MiB + 77)
+            assert await cache.mirror_page("n1", mid, "f1", 0, 1, memoryview(data[:MiB]), timeout=1)
+            assert await cache.mirror_page("n1", mid, "f1", 1, 2, memoryview(data[MiB:]), timeout=1)
+            m = Manifest("f1", "v1", len(data), 0o644, 1, "pending", ["n1", "n2"])
+            ram = {0: (1, MiB), 1: (2, 77)}
+            assert cache.mirror_commit("n1", mid, m, "a.pt", 0, 0, ram, {}, ChunkMap(), 2) == []
+            f = cache.load(m, "a.pt", 0, 0)
+            assert f.role is FileRole.REMOTE and not cache.dropped_here(f)
+            f.handles += 1  # a reader's handle (filesystem.open)
+            assert cache.mirror_drop("n1", mid, version)
+            assert mid not in cache.mirrors and cache.mirror_slots == 2
+            kept = cache.held_version("f1", "v1")
+            assert kept is not None and kept.role is FileRole.KEPT
+            assert await cache.read(f, 0, len(data)) == data  # through the kept mirror
+            assert await cache.read_held("f1", "v1", MiB, 77) == data[MiB:]  # for a peer
+            assert not cache.mirrors_of("n1")  # nothing for a takeover
+            assert not cache.dropped_here(f)  # held here: an open of it may go on
+            f.handles -= 1
+            cache.let_go(f)
+            assert cache.held_version("f1", "v1") is None
+            assert cache.mirror_slots == 0 and cache.arena.used_slots == 0
+            assert not cache.kept_mirrors
+            assert cache.dropped_here(f)  # nothing holds it here any more
+            cache.unlink(f)
+
+        # No handle here when the drop comes: dropped at once.
+        data = os.urandom(1000)
+        assert await cache.mirror_page("n1", "m9", "f2", 0, 1, memoryview(data), timeout=1)
+        m = Manifest("f2", "v1", len(data), 0o644, 1, "pending", ["n1", "n2"])
+        assert cache.mirror_commit("n1", "m9", m, "b.pt", 0, 0, {0: (1, 1000)}, {},
+                                   ChunkMap(), 1) == []  # fmt: skip
+        g = cache.load(m, "b.pt", 0, 0)
+        assert cache.mirror_drop("n1", "m9", "")
+        assert cache.held_version("f2", "v1") is None and cache.mirror_slots == 0
+        assert cache.dropped_here(g)
+
+    trio.run(main)

@@ -178,6 +178,7 @@ class Cache:
         # Mirrors kept for handles here that read their version (FileRole.KEPT),
         # by (file id, version); they count as mirrored RAM until dropped.
         self.kept_mirrors: dict[tuple[str, str], CachedFile] = {}
+        self.mirrors_kept = 0  # how many were, since the daemon started
         # Versions whose mirror here was dropped (bounded, oldest out): an
         # open here of one that nothing holds here any more is sent back.
         self._dropped_versions: dict[tuple[str, str], None] = {}
@@ -946,6 +947,7 @@ class Cache:
                 self.mirrors.pop(f.mirror_id, None)
                 f.role = FileRole.KEPT
                 self.kept_mirrors[key] = f
+                self.mirrors_kept += 1
                 self._notify(f)
                 return
         self.drop(f)

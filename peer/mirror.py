@@ -936,6 +936,7 @@ class MirrorServer:
             "mirrored_bytes": self.cache.mirrored_bytes(),
             "mirrors": len(mirrors),
             "kept_for_readers": len(self.cache.kept_mirrors),
+            "kept_for_readers_total": self.cache.mirrors_kept,
             "mirrored_files": sorted(
                 f"{f.origin}:{f.path or f.file_id}" for f in mirrors if f.state is FileState.PENDING
             )[:50],

@@ -624,6 +624,8 @@ def test_the_buddys_open_files_read_their_version_after_the_writer_replaced_it(m
             os.replace(n1.mnt / "tmp", n1.mnt / name)
             with open(n2.mnt / name, "rb") as f:  # a new open: the new file
                 assert f.read(MiB) == new[:MiB]
+            assert n2.stat()["mirroring"]["kept_for_readers"] == 1
+            assert "1 kept for open handles here" in n2.cli("stat", str(n2.mnt)).stdout
             got, off = bytearray(), 0
             while chunk := os.pread(fd, 4 * MiB, off):
                 got += chunk

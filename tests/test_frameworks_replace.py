@@ -270,7 +270,9 @@ def test_replace_on_one_node_while_processes_on_another_load(mounts, tmp_path, r
         m.allowed_log += PEER_LOGS
     (n1.mnt / "replace").mkdir()
     last, seconds, totals = race(n1.mnt / "replace", tmp_path / "race", read_in=n2.mnt / "replace")
+    kept = n2.stat()["mirroring"]["kept_for_readers_total"]
     report = summary("writer on n1, readers on n2", last, seconds, totals)
+    report += f"; mirrors n2 kept for its readers after n1 let go of them: {kept}"
     record_property("replace_race_two_nodes", report)
     print("\n" + report)
     check_race(totals, across_nodes=True)

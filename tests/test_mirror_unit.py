@@ -1300,7 +1300,7 @@ def test_a_mirror_dropped_while_a_handle_here_reads_its_version_is_kept_for_it(t
             cache.let_go(f)
             assert cache.held_version("f1", "v1") is None
             assert cache.mirror_slots == 0 and cache.arena.used_slots == 0
-            assert not cache.kept_mirrors
+            assert not cache.kept_mirrors and cache.mirrors_kept == n + 1
             assert cache.dropped_here(f)  # nothing holds it here any more
             cache.unlink(f)
 

@@ -128,6 +128,12 @@ def format_stat(s: dict[str, Any]) -> str:
         lines.append(
             f"buddy:   for {', '.join(mirroring['buddy_for'])}: {mirroring['mirrors']} mirror(s), "
             f"{human(mirroring['mirrored_bytes'])} held, {mirroring['takeovers']} taken over"
+            + (
+                f", {mirroring['kept_for_readers']} kept for open handles here after "
+                "their writer let go of them"
+                if mirroring.get("kept_for_readers")
+                else ""
+            )
         )
     rep = s.get("representative")
     if rep:

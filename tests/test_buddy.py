@@ -82,10 +82,13 @@ def test_a_closed_file_is_in_its_buddys_ram_and_read_from_peers_before_any_flush
     assert n3.stat()["peer_reads"]["bytes_fetched"] >= len(data)
     for m in (n2, n3):
         assert m.stat()["cache"]["chunk_reads"] == 0
+    # Every flush is capped, so nothing here becomes durable and a clean
+    # unmount would wait out its timeout on each node (45 s of CI): they
+    # are killed, and the buddy may have begun its takeover of n1's file
+    # meanwhile (takeovers are tested below).
     for m in nodes.values():
-        # Torn down with the flush still capped: n1 leaves data not durable
-        # and its buddy takes it over.
         m.allowed_log += PEER_LOGS + ["not yet durable", "taking over", "is dead"]
+        m.kill()
 
 
 def test_kill_9_of_the_writer_after_close_its_buddy_makes_the_files_durable(mounts, tmp_path):

@@ -429,6 +429,12 @@ class Cache:
             for f in [self.files.get(file_id), *self.retired]
         )
 
+    def keeps_mirror_for(self, f: CachedFile) -> bool:
+        """Whether a mirror is kept here for the readers of ``f``'s version:
+        letting go of a handle of ``f`` may drop it (and wake the loop's
+        tasks waiting for space)."""
+        return (f.file_id, f.version) in self.kept_mirrors
+
     def _release_kept(self, file_id: str, version: str) -> None:
         kept = self.kept_mirrors.get((file_id, version))
         if kept is not None and not self._read_here(file_id, version):

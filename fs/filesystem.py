@@ -1299,7 +1299,8 @@ class FileSystem:
         """Release a reader's handle, which needs no await (no commit, no
         backing-store descriptor to close); whether it did. ``off_loop`` (the
         FUSE request thread): also declines a release that would drop the
-        file or forget the inode, whose cleanup wakes tasks on the loop."""
+        file, a mirror kept for its readers, or forget the inode, whose
+        cleanup wakes tasks on the loop."""
         handle = self.handles.get(fh)
         if handle is None:
             return True
@@ -1307,7 +1308,8 @@ class FileSystem:
             return False
         inode, f = handle.inode, handle.file
         if off_loop and (
-            (f is not None and f.unlinked) or (inode.opens == 1 and not inode.nlookup)
+            (f is not None and (f.unlinked or self.cache.keeps_mirror_for(f)))
+            or (inode.opens == 1 and not inode.nlookup)
         ):
             return False
         del self.handles[fh]

@@ -14,8 +14,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import trio
+from ckptfs.fs.cachedfile import CachedFile
 from ckptfs.fs.filesystem import Caller
 from ckptfs.fs.inodes import ROOT
+from ckptfs.fs.state import FileRole
 from lifecycle_harness import Harness
 from test_getattr import CALLER, close, opened
 
@@ -214,3 +216,23 @@ def test_a_read_that_needs_a_chunk_waits_for_it_off_the_loop(h: Harness) -> None
     close(h, fh)
     h.call(fs.unlink, ROOT, "e.pt")
     assert read_now_copied(h, fh, 0, 10, True) is None  # a released handle: the loop's EBADF
+
+
+def test_a_release_that_would_drop_a_kept_mirror_is_left_to_the_loop(h: Harness) -> None:
+    """On a buddy, a mirror kept for the readers of a version (FileRole.KEPT)
+    goes with their last handle, and freeing its slots wakes the loop's
+    tasks that wait for space: the request thread leaves that release to
+    the loop, which drops the mirror."""
+    fs, cache = h.core.fs, h.core.cache
+    ino, fh = opened(h, "k.pt")
+    f = fs.handles[fh].file
+    assert f is not None
+    kept = CachedFile(f.file_id, f.version, "k.pt", 0, 0o644, 0, 0, 0, 0, cache.page_size)
+    kept.role = FileRole.KEPT
+    cache.kept_mirrors[(f.file_id, f.version)] = kept
+    before = tables(h)
+    assert inline(h, fs.release_now, fh, True) is False
+    assert tables(h) == before
+    h.call(fs.flush, fh)
+    h.call(fs.release, fh)
+    assert not cache.kept_mirrors

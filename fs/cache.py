@@ -84,6 +84,13 @@ class HoldersFailed(OSError):
         self.moved_on = moved_on
 
 
+def _remember(seen: dict[Any, None], key: Any) -> None:
+    """Adds ``key`` to a bounded record of mirrors gone (oldest out)."""
+    seen[key] = None
+    if len(seen) > MAX_GONE_MIRRORS:
+        del seen[next(iter(seen))]
+
+
 def _move_mirror(f: CachedFile, path: str) -> None:
     """Mirror ``f`` is at ``path`` now; the takeover also looks at the last
     few paths it had (a rename that failed, a message that crossed another)."""
@@ -927,9 +934,7 @@ class Cache:
         Either way the writer is done with ``mid`` (its next content gets a
         new id), so later pages of it are refused: a late one must not make
         a new mirror that nothing would ever drop."""
-        self._gone_mirrors[mid] = None
-        if len(self._gone_mirrors) > MAX_GONE_MIRRORS:
-            del self._gone_mirrors[next(iter(self._gone_mirrors))]
+        _remember(self._gone_mirrors, mid)
         f = self.mirrors.get(mid)
         if f is None or f.origin != origin or f.role is not FileRole.MIRROR:
             return False
@@ -946,9 +951,7 @@ class Cache:
         mapping) would find that version nowhere. Kept (KEPT) for them."""
         key = (f.file_id, f.version)
         if f.state is FileState.PENDING and f.role is FileRole.MIRROR:
-            self._dropped_versions[key] = None
-            if len(self._dropped_versions) > MAX_GONE_MIRRORS:
-                del self._dropped_versions[next(iter(self._dropped_versions))]
+            _remember(self._dropped_versions, key)
             if self._read_here(*key) and key not in self.kept_mirrors:
                 self.mirrors.pop(f.mirror_id, None)
                 f.role = FileRole.KEPT

@@ -8,15 +8,20 @@ the whole work.
 
 from __future__ import annotations
 
+import errno
+import functools
 import os
 import random
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import pytest
 import trio
-from ckptfs.fs.cachedfile import CachedFile
-from ckptfs.fs.filesystem import Caller
+from ckptfs.fs.cachedfile import CachedFile, ChunkMap
+from ckptfs.fs.filesystem import Caller, FsError
 from ckptfs.fs.inodes import ROOT
+from ckptfs.fs.manifest import Manifest, new_id, write_manifest
 from ckptfs.fs.state import FileRole
 from lifecycle_harness import Harness
 from test_getattr import CALLER, close, opened
@@ -236,3 +241,58 @@ def test_a_release_that_would_drop_a_kept_mirror_is_left_to_the_loop(h: Harness)
     h.call(fs.flush, fh)
     h.call(fs.release, fh)
     assert not cache.kept_mirrors
+
+
+async def _no_peer_answers(*args: object) -> bytes:
+    raise OSError(errno.EHOSTUNREACH, "no peer answers in this test")
+
+
+def test_an_open_of_a_version_whose_mirror_here_was_dropped_is_sent_back_once(
+    h: Harness,
+) -> None:
+    """This node is the buddy of n1, whose file r.pt is pending. An open
+    here read its manifest (REMOTE, read from the mirror here) and closed;
+    then n1 let go of that version and the mirror was dropped, before the
+    next open here, which needs no new look at the manifest yet, held it. No holder may serve it now, and a read of a mapping that fails
+    is SIGBUS: the open answers ESTALE (the kernel looks the name up again)
+    and forgets the check, the fast path leaves it to the loop, and the
+    kernel's retry by the same thread gets what it asked for."""
+    fs, cache = h.core.fs, h.core.cache
+    cache.peer_fetch = _no_peer_answers  # peers exist: pending elsewhere is REMOTE
+    data = random.randbytes(cache.page_size + 904)
+    fid, mid = new_id(), "m0"
+    m = Manifest(fid, new_id(), len(data), 0o644, time.time_ns(), "pending", ["n1", "model"])
+    write_manifest(h.backing / "r.pt", m)
+    page = cache.page_size
+    for p, part in enumerate((data[:page], data[page:])):
+        mirror_page = functools.partial(cache.mirror_page, timeout=1)
+        assert h.direct(mirror_page, "n1", mid, fid, p, 1, memoryview(part))
+    ram = {0: (1, page), 1: (1, len(data) - page)}
+    assert inline(h, cache.mirror_commit, "n1", mid, m, "r.pt", 0, 0, ram, {}, ChunkMap(), 1) == []
+
+    ino = h.call(fs.lookup, ROOT, "r.pt").ino
+    fh, _ = h.call(fs.open, ino, os.O_RDONLY, CALLER)  # the manifest read: our mirror's version
+    f = fs.handles[fh].file
+    assert f is not None and f.role is FileRole.REMOTE and not cache.dropped_here(f)
+    assert h.call(fs.read, fh, 0, len(data)) == data  # from the mirror here
+    close(h, fh)
+    assert inline(h, cache.mirror_drop, "n1", mid, "")  # n1 replaced or removed it
+    assert cache.held_version(fid, m.version) is None and cache.dropped_here(f)
+    assert fs.inodes[ino].checked is not None
+    before = tables(h)
+
+    caller = Caller(0, 0, tid=4242)
+    assert inline(h, fs.open_now, ino, os.O_RDONLY, caller) is None  # the loop's to send back
+    with pytest.raises(FsError) as sent_back:
+        h.call(fs.open, ino, os.O_RDONLY, caller)
+    assert sent_back.value.errno == errno.ESTALE and "r.pt" in str(sent_back.value)
+    assert fs.inodes[ino].checked is None  # the next lookup reads the manifest again
+    assert tables(h) == before  # no handle was made
+    # The kernel retries once, for the same thread: a second ESTALE would
+    # reach the caller, so it gets the file it asked for.
+    fh, _ = h.call(fs.open, ino, os.O_RDONLY, caller)
+    assert fs.handles[fh].file is f
+    close(h, fh)
+    # Another thread's open is sent back too (once each).
+    with pytest.raises(FsError):
+        h.call(fs.open, ino, os.O_RDONLY, Caller(0, 0, tid=4243))

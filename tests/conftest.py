@@ -40,6 +40,16 @@ def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.05) 
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def process_gone(pid: int) -> bool:
+    """Whether ``pid`` has exited. A daemon's parent (the mount CLI) is gone,
+    so init reaps it, and init here can take over a second: its zombie has
+    exited, whatever /proc still shows."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def lines_of_a_killed_peer(name: str) -> list[str]:
     """The warnings a node logs when peer `name` is SIGKILLed: its outbound
     connection lost, the peer reported, and (when the killed process had unread
@@ -130,14 +140,8 @@ class Mount:
         """SIGKILL the daemon (a crash); the mount is left dead until detached."""
         assert self.pid is not None
         os.kill(self.pid, signal.SIGKILL)
-        wait_for(
-            lambda: (
-                not Path(f"/proc/{self.pid}").exists()
-                or "Z" in Path(f"/proc/{self.pid}/stat").read_text().split()[2]
-            ),
-            10,
-            "daemon death",
-        )
+        pid = self.pid
+        wait_for(lambda: process_gone(pid), 10, "daemon death")
         subprocess.run([FUSERMOUNT, "-u", "-z", str(self.mnt)], capture_output=True, timeout=30)
 
     def cleanup(self) -> None:
@@ -150,9 +154,11 @@ class Mount:
             subprocess.run([FUSERMOUNT, "-u", "-z", str(self.mnt)], capture_output=True, timeout=30)
         if self.pid is not None:
             deadline = time.monotonic() + 5
-            while Path(f"/proc/{self.pid}").exists() and time.monotonic() < deadline:
+            while not process_gone(self.pid) and time.monotonic() < deadline:
                 time.sleep(0.05)
             for sig in (signal.SIGTERM, signal.SIGKILL):
+                if process_gone(self.pid):
+                    break
                 try:
                     os.kill(self.pid, sig)
                     time.sleep(0.2)

@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -291,6 +292,70 @@ def torchrun(
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc-per-node={nproc}", WORKER, *args]
     return run(cmd, timeout=timeout, env=user_env(user))
+
+
+def ranks(nproc: int, *args: str, user: tuple[int, int] | None = None, timeout: float = 180) -> str:
+    """The worker's ranks started as a cluster's own launcher starts them
+    (Slurm's ``srun``, an MPI launcher): one process per rank, told its rank,
+    the world size and the rendezvous address in the environment, which is
+    all torch.distributed reads from torchrun too. Without torchrun's agent,
+    whose own import of torch costs 2-4 s here before any rank starts; the
+    tests whose subject is the launcher-independent checkpoint code use it,
+    and torchrun keeps its own tests. Their output, rank by rank."""
+    rendezvous = {
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    cmd = [sys.executable, WORKER, *args]
+    with tempfile.TemporaryDirectory(prefix="ckptfs-ranks-") as tmp:
+        outs = [Path(tmp) / f"rank{r}.out" for r in range(nproc)]
+        procs = []
+        try:
+            for r, out in enumerate(outs):
+                env = {**user_env(user), **rendezvous, "RANK": str(r), "LOCAL_RANK": str(r)}
+                with open(out, "w") as sink:
+                    procs.append(
+                        subprocess.Popen(
+                            cmd,
+                            stdout=sink,
+                            stderr=subprocess.STDOUT,
+                            env=subprocess_env(env),
+                            start_new_session=True,
+                        )
+                    )
+            failed = _wait_all(procs, timeout)
+        finally:
+            for proc in procs:  # a rank left waiting for one that failed
+                if proc.poll() is None:
+                    kill_group(proc)
+                    proc.wait()
+        text = "".join(out.read_text(errors="replace") for out in outs)
+    if failed:
+        raise AssertionError(f"{failed}: {' '.join(cmd)} ({nproc} ranks)\n{text[-6000:]}")
+    return text
+
+
+def _wait_all(procs: list[subprocess.Popen[Any]], timeout: float) -> str:
+    """Wait for every process; what went wrong ("" if they all exited 0): the
+    first rank to fail, or the timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        codes = [proc.poll() for proc in procs]
+        bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        if bad:
+            return f"rank {bad[0][0]} exited {bad[0][1]}"
+        if all(c == 0 for c in codes):
+            return ""
+        time.sleep(0.05)
+    return f"timed out after {timeout}s"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def worker(*args: str, user: tuple[int, int] | None = None, timeout: float = 180) -> str:

@@ -44,8 +44,18 @@ class Gate:
         self.labels: list[str] = []  # what the waiting background calls are
         self._permits = {"bg": 0, "fg": 0}
         self._event = trio.Event()
+        self._crashed = False
+
+    def crash(self) -> None:
+        """The Core crashed: no call of it reaches the store or the journal
+        any more (a shielded cleanup's write fails at once rather than wait
+        for a permit nobody will grant)."""
+        self._crashed = True
+        self._event.set()
 
     async def through(self, what: str = "") -> None:
+        if self._crashed:
+            raise OSError(errno.EIO, f"{what or 'a call'}: the Core crashed")
         side = "fg" if BACKGROUND.get() is None else "bg"
         self.waiting[side] += 1
         if side == "bg":
@@ -53,6 +63,8 @@ class Gate:
         try:
             while not self._permits[side]:
                 await self._event.wait()
+                if self._crashed:
+                    raise OSError(errno.EIO, f"{what or 'a call'}: the Core crashed")
             self._permits[side] -= 1
         finally:
             self.waiting[side] -= 1
@@ -256,8 +268,9 @@ class Harness:
         trio.from_thread.run(self._crash, trio_token=self._token)
 
     async def _crash(self) -> None:
-        assert self._scope is not None and self.core is not None
+        assert self._scope is not None and self.core is not None and self.gate is not None
         self._scope.cancel()
+        self.gate.crash()
         await trio.testing.wait_all_tasks_blocked()
         self.core.arena.close()
         self.core.backing.close()

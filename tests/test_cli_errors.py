@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from ckptfs.fs.config import ConfigError, load_config, parse_size
+from conftest import process_gone
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -73,7 +74,7 @@ def test_mountpoint_left_dead_by_a_killed_daemon(mounted):
 
     os.kill(mounted.pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while os.path.exists(f"/proc/{mounted.pid}") and time.monotonic() < deadline:
+    while not process_gone(mounted.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     proc = run("mount", str(mounted.mnt), "--backing", str(mounted.backing), env=mounted.env)
     assert_one_line_error(proc, "dead ckptfs mount", "fusermount3 -u -z", str(mounted.mnt))

@@ -253,8 +253,9 @@ def test_an_open_of_a_version_whose_mirror_here_was_dropped_is_sent_back_once(
     """This node is the buddy of n1, whose file r.pt is pending. An open
     here read its manifest (REMOTE, read from the mirror here) and closed;
     then n1 let go of that version and the mirror was dropped, before the
-    next open here, which needs no new look at the manifest yet, held it. No holder may serve it now, and a read of a mapping that fails
-    is SIGBUS: the open answers ESTALE (the kernel looks the name up again)
+    next open here, which needs no new look at the manifest yet, held it.
+    No holder may serve it now, and a read of a mapping that fails is
+    SIGBUS: the open answers ESTALE (the kernel looks the name up again)
     and forgets the check, the fast path leaves it to the loop, and the
     kernel's retry by the same thread gets what it asked for."""
     fs, cache = h.core.fs, h.core.cache

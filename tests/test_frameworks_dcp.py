@@ -2,9 +2,11 @@
 gloo ranks on CPU, ``dcp.save`` and ``dcp.async_save``, then loads with 2 ranks
 and a resharded load with 1 rank, each on a new mount with an empty cache.
 
-The ranks are real processes (tests/frameworks_util.py under
-torch.distributed.run); every tensor of the model and optimizer state is
-compared with torch.equal against the full state rank 0 kept at save time.
+The ranks are real processes (tests/frameworks_util.py): under
+torch.distributed.run in the first test, started directly as a cluster's
+launcher starts them (``frameworks_util.ranks``) in the others. Every
+tensor of the model and optimizer state is compared with torch.equal
+against the full state rank 0 kept at save time.
 Once as root and once with every rank as an ordinary user.
 """
 
@@ -18,6 +20,7 @@ from frameworks_util import (
     backing_manifests,
     files_under,
     job_dir,
+    ranks,
     scratch_dir,
     torchrun,
     umount_checked,
@@ -65,7 +68,7 @@ def test_dcp_loads_after_its_daemon_died_before_the_checkpoint_was_durable(share
         a = shared_mounts("a")
         a.mount(env={"CKPTFS_FLUSH_BANDWIDTH": "4KiB"})
         job_dir(a.mnt / "dcp", user)
-        out = torchrun(2, "dcp-save", str(a.mnt / "dcp"), str(ref), user=user)
+        out = ranks(2, "dcp-save", str(a.mnt / "dcp"), str(ref), user=user)
         assert "dcp-save ok rank 0" in out and "dcp-save ok rank 1" in out
         pending = [p for p, b in backing_manifests(a.backing).items() if b["state"] != "durable"]
         assert "dcp/async/.metadata" in pending, pending  # else the kill tests nothing
@@ -75,7 +78,7 @@ def test_dcp_loads_after_its_daemon_died_before_the_checkpoint_was_durable(share
         a.allowed_log = ["recovered"]
         assert files_under(a.mnt) == sorted(expect)
         assert_owned(a.mnt, expect, user)
-        out = torchrun(2, "dcp-load", str(a.mnt / "dcp"), str(ref), user=user)
+        out = ranks(2, "dcp-load", str(a.mnt / "dcp"), str(ref), user=user)
         assert "dcp-load ok rank 0 world 2" in out and "dcp-load ok rank 1 world 2" in out
         out = worker("dcp-load", str(a.mnt / "dcp"), str(ref), user=user)
         assert "dcp-load ok rank 0 world 1" in out
@@ -83,7 +86,7 @@ def test_dcp_loads_after_its_daemon_died_before_the_checkpoint_was_durable(share
 
         b = shared_mounts("b")
         b.mount()
-        out = torchrun(2, "dcp-load", str(b.mnt / "dcp"), str(ref), user=user)
+        out = ranks(2, "dcp-load", str(b.mnt / "dcp"), str(ref), user=user)
         assert "dcp-load ok rank 0 world 2" in out and "dcp-load ok rank 1 world 2" in out
         umount_checked(b, expect)
 
@@ -99,20 +102,20 @@ def test_dcp_saves_over_the_checkpoint_it_resumed_from(mounts, tmp_path):
     expect = [f"dcp/{d}/{f}" for d in ("async", "sync") for f in DCP_FILES]
     a = mounts("a")
     a.mount()
-    torchrun(2, "dcp-save", str(a.mnt / "dcp"), str(first))
+    ranks(2, "dcp-save", str(a.mnt / "dcp"), str(first))
     umount_checked(a, expect)
 
     b = mounts("b")
     b.mount()
-    out = torchrun(2, "dcp-load", str(b.mnt / "dcp"), str(first))
+    out = ranks(2, "dcp-load", str(b.mnt / "dcp"), str(first))
     assert "dcp-load ok rank 0 world 2" in out and "dcp-load ok rank 1 world 2" in out
-    out = torchrun(2, "dcp-save", str(b.mnt / "dcp"), str(second), "--seed", "1")
+    out = ranks(2, "dcp-save", str(b.mnt / "dcp"), str(second), "--seed", "1")
     assert "dcp-save ok rank 0" in out and "dcp-save ok rank 1" in out
     umount_checked(b, expect)
 
     c = mounts("c")
     c.mount()
-    out = torchrun(2, "dcp-load", str(c.mnt / "dcp"), str(second))
+    out = ranks(2, "dcp-load", str(c.mnt / "dcp"), str(second))
     assert "dcp-load ok rank 0 world 2" in out and "dcp-load ok rank 1 world 2" in out
     out = worker("dcp-load", str(c.mnt / "dcp"), str(second))
     assert "dcp-load ok rank 0 world 1" in out
@@ -140,11 +143,11 @@ def test_dcp_across_two_nodes_restarts_with_the_ranks_swapped_and_after_a_node_d
     def through(*order: str) -> str:
         return ",".join(str(nodes[n].mnt / "dcp") for n in order)
 
-    out = torchrun(2, "dcp-save", through("n1", "n2"), str(ref))
+    out = ranks(2, "dcp-save", through("n1", "n2"), str(ref))
     assert "dcp-save ok rank 0" in out and "dcp-save ok rank 1" in out
     pending = [p for p, b in backing_manifests(n1.backing).items() if b["state"] != "durable"]
     assert "dcp/async/.metadata" in pending and "dcp/async/__1_0.distcp" in pending, pending
-    out = torchrun(2, "dcp-load", through("n2", "n1"), str(ref))
+    out = ranks(2, "dcp-load", through("n2", "n1"), str(ref))
     assert "dcp-load ok rank 0 world 2" in out and "dcp-load ok rank 1 world 2" in out
 
     n1.kill()
@@ -155,6 +158,6 @@ def test_dcp_across_two_nodes_restarts_with_the_ranks_swapped_and_after_a_node_d
 
     c = mounts("c")
     c.mount()
-    out = torchrun(2, "dcp-load", str(c.mnt / "dcp"), str(ref))
+    out = ranks(2, "dcp-load", str(c.mnt / "dcp"), str(ref))
     assert "dcp-load ok rank 0 world 2" in out and "dcp-load ok rank 1 world 2" in out
     umount_checked(c, expect)

@@ -17,6 +17,7 @@ from frameworks_util import (
     assert_owned,
     files_under,
     job_dir,
+    ranks,
     torchrun,
     umount_checked,
 )
@@ -33,7 +34,9 @@ def test_megatron_rank_files_then_restart_with_fewer_ranks(shared_mounts, user):
     a = mounts("a")
     a.mount()
     root = job_dir(a.mnt / "megatron", user)
-    out = torchrun(SAVE_RANKS, "megatron-save", str(root), user=user)
+    # torchrun as root; as the user, the ranks as Slurm's srun starts them.
+    launch = torchrun if user is None else ranks
+    out = launch(SAVE_RANKS, "megatron-save", str(root), user=user)
     assert all(f"megatron-save ok rank {r}" in out for r in range(SAVE_RANKS)), out
     assert files_under(root) == sorted([*shards, MEGATRON_TRACKER])
     assert (root / MEGATRON_TRACKER).read_text() == "10"
@@ -43,7 +46,7 @@ def test_megatron_rank_files_then_restart_with_fewer_ranks(shared_mounts, user):
     for name in ("b", "c"):
         m = mounts(name)
         m.mount()
-        out = torchrun(
+        out = launch(
             LOAD_RANKS, "megatron-load", str(m.mnt / "megatron"), str(SAVE_RANKS), user=user
         )
         assert "megatron-load ok rank 0 shards [0, 1]" in out, out

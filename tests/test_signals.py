@@ -12,9 +12,8 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
-from conftest import is_mounted, wait_for
+from conftest import is_mounted, process_gone, wait_for
 
 WRITER = textwrap.dedent(
     """
@@ -35,21 +34,13 @@ WRITER = textwrap.dedent(
 )
 
 
-def gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
-    except FileNotFoundError:
-        return True
-    return state == "Z"
-
-
 def test_sigterm_flushes_everything_then_unmounts(mounts):
     m = mounts()
     m.mount()
     data = os.urandom(3 << 20)
     (m.mnt / "ckpt.pt").write_bytes(data)
     os.kill(m.pid, signal.SIGTERM)
-    wait_for(lambda: gone(m.pid), 60, "the daemon's exit")
+    wait_for(lambda: process_gone(m.pid), 60, "the daemon's exit")
     assert not is_mounted(m.mnt)
     assert "signal SIGTERM: flushing, then unmounting" in m.log()
     assert "everything was durable" in m.log()
@@ -78,9 +69,9 @@ def test_a_second_sigterm_unmounts_without_waiting(mounts, tmp_path):
         os.kill(m.pid, signal.SIGTERM)
         wait_for(lambda: "flushing, then unmounting" in m.log(), 10, "the first signal")
         time.sleep(0.5)
-        assert not gone(m.pid) and writer.poll() is None  # the drain waits for the store
+        assert not process_gone(m.pid) and writer.poll() is None  # the drain waits for the store
         os.kill(m.pid, signal.SIGTERM)
-        wait_for(lambda: gone(m.pid), 20, "the daemon's exit after the second signal")
+        wait_for(lambda: process_gone(m.pid), 20, "the daemon's exit after the second signal")
         out, _ = writer.communicate(timeout=20)
     finally:
         if writer.poll() is None:

@@ -20,10 +20,9 @@ def is_mounted(path: Path) -> bool:
 
 def check_mountpoint(mountpoint: Path) -> Path:
     try:
-        os.stat(mountpoint)
-        # A STATFS always reaches a FUSE daemon, while the stat above may be
-        # answered from the root's attributes the kernel keeps for a second:
-        # a mount whose daemon was killed just now is seen dead at once.
+        # A STATFS, not a stat: it always reaches a FUSE daemon, while a stat
+        # may be answered from the root's attributes the kernel keeps for a
+        # second, so a mount whose daemon was killed just now is seen dead.
         os.statvfs(mountpoint)
     except FileNotFoundError:
         raise MountError(f"mountpoint {mountpoint} does not exist") from None

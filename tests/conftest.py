@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +39,13 @@ def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.05) 
             return result
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def free_port() -> int:
+    """A loopback TCP port free now (a peer's, a rendezvous')."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def process_gone(pid: int) -> bool:

@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -302,6 +301,8 @@ def ranks(nproc: int, *args: str, user: tuple[int, int] | None = None, timeout: 
     whose own import of torch costs 2-4 s here before any rank starts; the
     tests whose subject is the launcher-independent checkpoint code use it,
     and torchrun keeps its own tests. Their output, rank by rank."""
+    from conftest import free_port  # the test process's (this file is also the worker)
+
     rendezvous = {
         "WORLD_SIZE": str(nproc),
         "LOCAL_WORLD_SIZE": str(nproc),
@@ -350,12 +351,6 @@ def _wait_all(procs: list[subprocess.Popen[Any]], timeout: float) -> str:
             return ""
         time.sleep(0.05)
     return f"timed out after {timeout}s"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def worker(*args: str, user: tuple[int, int] | None = None, timeout: float = 180) -> str:

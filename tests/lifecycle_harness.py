@@ -54,17 +54,15 @@ class Gate:
         self._event.set()
 
     async def through(self, what: str = "") -> None:
-        if self._crashed:
-            raise OSError(errno.EIO, f"{what or 'a call'}: the Core crashed")
         side = "fg" if BACKGROUND.get() is None else "bg"
         self.waiting[side] += 1
         if side == "bg":
             self.labels.append(what)
         try:
-            while not self._permits[side]:
-                await self._event.wait()
+            while self._crashed or not self._permits[side]:
                 if self._crashed:
                     raise OSError(errno.EIO, f"{what or 'a call'}: the Core crashed")
+                await self._event.wait()
             self._permits[side] -= 1
         finally:
             self.waiting[side] -= 1

@@ -265,8 +265,8 @@ def test_an_open_of_a_version_whose_mirror_here_was_dropped_is_sent_back_once(
     m = Manifest(fid, new_id(), len(data), 0o644, time.time_ns(), "pending", ["n1", "model"])
     write_manifest(h.backing / "r.pt", m)
     page = cache.page_size
+    mirror_page = functools.partial(cache.mirror_page, timeout=1)
     for p, part in enumerate((data[:page], data[page:])):
-        mirror_page = functools.partial(cache.mirror_page, timeout=1)
         assert h.direct(mirror_page, "n1", mid, fid, p, 1, memoryview(part))
     ram = {0: (1, page), 1: (1, len(data) - page)}
     assert inline(h, cache.mirror_commit, "n1", mid, m, "r.pt", 0, 0, ram, {}, ChunkMap(), 1) == []

@@ -5,21 +5,14 @@ from __future__ import annotations
 
 import errno
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import Mount, lines_of_a_killed_peer, wait_for
+from conftest import Mount, free_port, lines_of_a_killed_peer, wait_for
 
 MiB = 1 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cluster_config(

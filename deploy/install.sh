@@ -8,7 +8,8 @@ SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
-$SUDO apt-get install -y -qq fuse3 libfuse3-dev pkg-config rsync openssl >/dev/null
+# gcc and python3-dev: the compiled FUSE reader (fs/_fastreader.c) and pyfuse3.
+$SUDO apt-get install -y -qq fuse3 libfuse3-dev pkg-config gcc python3-dev rsync openssl >/dev/null
 [ -x .venv/bin/python ] || python3 -m venv .venv
 # torch first and pinned: a bare "torch" requirement would pull a CUDA build.
 .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0

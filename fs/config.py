@@ -126,6 +126,10 @@ class Config:
     # by default: it helps a tight loop of loads and slowed spaced ones
     # (README, Benchmark). 0: wait at once.
     request_spin: float = 0.0
+    # The request thread waits, reads, and answers isatty's IOCTL and the
+    # read-only opens the filesystem issued a ticket for in compiled code
+    # (fs/_fastreader.c); off: all of it in Python, as before.
+    compiled_reader: bool = True
     # A closed file waits this long (seconds) before its flush starts: a
     # close is often followed at once by a rename (torch.save to a temporary
     # name, then os.replace), which would otherwise wait for the flush's
@@ -245,6 +249,7 @@ SCHEMA: dict[str, tuple[str, Any]] = {
     "fuse.burst_latency_hold": ("burst_latency_hold", _seconds),
     "fuse.burst_latency_hold_max": ("burst_latency_hold_max", _seconds),
     "fuse.request_spin": ("request_spin", _spin),
+    "fuse.compiled_reader": ("compiled_reader", parse_bool),
     "fuse.read_ahead_kb": ("read_ahead_kb", parse_int),
     "backing_timeout": ("backing_timeout", _timeout),
     "run_dir": ("run_dir", _path),

@@ -111,6 +111,7 @@ class Daemon:
                         workers=self.config.fuse_workers,
                         burst=self.burst_latency,
                         spin=self.config.request_spin,
+                        compiled=self.config.compiled_reader,
                     )
                     session = self.session
                     core.fs.kernel_pages = KernelPages(

@@ -19,6 +19,7 @@ import contextlib
 import errno
 import itertools
 import logging
+import math
 import os
 import stat
 import time
@@ -663,9 +664,9 @@ class FileSystem:
 
     # ----- files ------------------------------------------------------------
     def _open_handle(
-        self, inode: Inode, f: CachedFile | None, writable: bool, caller: Caller
+        self, inode: Inode, f: CachedFile | None, writable: bool, caller: Caller, fh: int = 0
     ) -> int:
-        fh = next(self._fh)
+        fh = fh or next(self._fh)
         self.handles[fh] = Handle(inode, f, writable=writable, uid=caller.uid, tid=caller.tid)
         inode.opens += 1
         if inode.kernel_cache is KernelCache.EMPTY:
@@ -787,6 +788,40 @@ class FileSystem:
         if f is None or self.cache.dropped_here(f):
             return None  # (the loop's open sends a dropped version back)
         return self._opened(inode, f, caller)
+
+    def open_ticket(self, ino: int) -> tuple[float, bool, bool] | None:
+        """Whether :meth:`open_now` would open ``ino`` read-only as things
+        are (ignoring who calls: a rename in flight anywhere says no), and
+        would go on doing so, with nothing changed, until the deadline
+        returned (time.monotonic(); inf for a file written here): that
+        deadline, and whether the kernel may keep its pages at the next
+        open and at the ones after it (that open makes them ours). The request
+        thread's compiled reader answers such opens itself until the loop
+        runs again (fs/_fastreader.c); :meth:`adopt_open` takes the handle."""
+        inode = self.inodes.get(ino)
+        if inode is None or inode.kind != "file" or inode.unlinked or self.ns_lock.any_replacing():
+            return None
+        f = self._file_now(inode, writable=False)
+        if f is None or self.cache.dropped_here(f):
+            return None
+        if f.writers or f.modified:
+            deadline = math.inf  # our copy is the current one while it lasts
+        else:  # _file_now found a recent check (fuse.open_recheck)
+            deadline = inode.checked_at + self.config.open_recheck
+        if deadline <= time.monotonic():
+            return None
+        return deadline, inode.kernel_version == f.version and not f.modified, not f.modified
+
+    def adopt_open(self, fh: int, ino: int, caller: Caller) -> None:
+        """A read-only handle ``fh`` that the compiled reader gave out for an
+        open ticket of ``ino``: what :meth:`open_now` would have made. The
+        state is as it was when the ticket was issued (whoever takes the
+        state lock adopts first)."""
+        inode = self._inode(ino)
+        f = inode.file
+        if f is None:  # a ticket is only issued for a cached file
+            raise RuntimeError(f"inode {ino}: a compiled open of an inode with no cached file")
+        self._opened(inode, f, caller, fh)
 
     def _being_replaced(self, inode: Inode) -> trio.Event | None:
         """Set once no rename onto the inode's name is in flight; None if none is now."""
@@ -940,9 +975,10 @@ class FileSystem:
         self.cache.load(m, check.path, entry.st.st_uid, entry.st.st_gid)
         return self._opened(inode, f, caller)
 
-    def _opened(self, inode: Inode, f: CachedFile, caller: Caller) -> tuple[int, bool]:
-        """A read-only handle of ``f``; whether the kernel may keep its pages."""
-        return self._open_handle(inode, f, False, caller), self._kernel_may_keep(inode, f)
+    def _opened(self, inode: Inode, f: CachedFile, caller: Caller, fh: int = 0) -> tuple[int, bool]:
+        """A read-only handle of ``f`` (numbered ``fh``, if given); whether
+        the kernel may keep its pages."""
+        return self._open_handle(inode, f, False, caller, fh), self._kernel_may_keep(inode, f)
 
     @staticmethod
     def _kernel_may_keep(inode: Inode, f: CachedFile) -> bool:

@@ -102,6 +102,11 @@ from .cpulatency import BurstHold
 from .fuseabi import Op
 from .storecall import ReadingTaken, StoreCallWatch
 
+try:
+    from . import _fastreader
+except ImportError:  # not built (a source tree run without its install): Python reads
+    _fastreader = None  # type: ignore[assignment]
+
 log = logging.getLogger("ckptfs.fuse")
 
 Payload = bytes | memoryview
@@ -160,7 +165,11 @@ class _LoopHoldsState(trio.abc.Instrument):
         # Set while the loop waits for the lock: the thread then takes it no
         # more (a lock is not fair, and a stream of READs from RAM would let
         # the thread take it again and again before the loop's thread wakes).
+        # The compiled reader reads it too (fs/_fastreader.c).
         self.loop_waits = False
+        # The compiled reader, if it runs, and who adopts the handles it gave out.
+        self.fast: Any = None
+        self.adopt: Callable[[list[tuple[int, int, int, int, int]]], None] | None = None
 
     def before_io_wait(self, timeout: float) -> None:
         self.lock.release()
@@ -171,10 +180,36 @@ class _LoopHoldsState(trio.abc.Instrument):
             self.lock.acquire()
         finally:
             self.loop_waits = False
+        self.took_back()
+
+    def took_back(self) -> None:
+        """The loop holds the lock again and may change any state: the
+        compiled reader's handles become the filesystem's first, then its
+        open tickets lapse."""
+        fast = self.fast
+        if fast is not None:
+            self._adopt_pending()
+            fast.invalidate()
 
     def try_take(self) -> bool:
-        """For the request thread: the lock, unless the loop holds it or waits for it."""
-        return not self.loop_waits and self.lock.acquire(blocking=False)
+        """For the request thread: the lock, unless the loop holds it or
+        waits for it; with it, the state, the compiled reader's handles
+        included."""
+        if self.loop_waits or not self.lock.acquire(blocking=False):
+            return False
+        if self.fast is not None:
+            self._adopt_pending()
+        return True
+
+    def _adopt_pending(self) -> None:
+        if not self.fast.pending:
+            return
+        opened = self.fast.drain()
+        try:
+            assert self.adopt is not None
+            self.adopt(opened)
+        except Exception:  # a bug; raised here, it would remove this instrument
+            log.exception("adopting the compiled reader's handles %r failed", opened)
 
 
 class FuseError(Exception):
@@ -214,6 +249,15 @@ class Handlers:
     # Off-loop paths tried when the op's off-loop fast path declined.
     off_loop_checked: dict[int, CheckedPath] = field(default_factory=dict)
     writeback_cache: bool = False
+    # The compiled reader's (fs/_fastreader.c): given its open tickets once it
+    # runs (issued by the off-loop paths, state lock held), and adopting the
+    # handles of the read-only opens it answered: [(fh, ino, uid, gid, pid)].
+    use_tickets: Callable[[Any], None] | None = None
+    adopt_opens: Callable[[list[tuple[int, int, int, int, int]]], None] | None = None
+    # Told when the compiled reader answered requests (from the request thread).
+    compiled_answers: Callable[[], None] | None = None
+    # After each answer of the request thread, its reply written, the state lock held.
+    after_thread_answer: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -249,6 +293,7 @@ class Counters:
     # The request thread's
     thread: int = 0  # answered by a fast path by the request thread
     checked: int = 0  # of which after a store read of its own (CheckedPath)
+    # (The compiled reader counts its own answers: describe() adds them.)
     thread_stateless: int = 0  # INIT, IOCTL, unknown opcodes, by the thread
     spun: int = 0  # read by the request thread while it spun after an answer
     thread_waits: int = 0  # the request thread's waits in poll(2)
@@ -267,6 +312,7 @@ class Session:
         burst: BurstHold | None = None,
         request_thread: bool = True,
         spin: float = 0.0,
+        compiled: bool = True,
     ) -> None:
         os.set_blocking(fd, False)  # readers wait in poll(2) or the loop, not in read(2)
         self.fd = fd
@@ -280,6 +326,15 @@ class Session:
         self._burst = burst
         # Spinning only helps when the caller can run meanwhile.
         self.spin = spin if len(os.sched_getaffinity(0)) > 1 else 0.0
+        # The request thread's compiled reader (fs/_fastreader.c), made with
+        # the thread; not with a spin (the Python reader's alone).
+        self.compiled = compiled and _fastreader is not None and not self.spin
+        if compiled and _fastreader is None:
+            log.warning(
+                "the compiled FUSE reader (fs/_fastreader.c) is not built; "
+                "pip install -e . builds it: the request thread reads in Python"
+            )
+        self.fast_reader: Any = None
         self.counters = Counters()
         self._max_workers = workers
         self._idle_workers = 0  # waiting for the read lock, or reading
@@ -323,6 +378,8 @@ class Session:
                     self.mode = ReadMode.LOOP
             if self._store_watch is not None:
                 self._thread = RequestThread(self)
+                if self.compiled:
+                    self._start_compiled(self._thread)
                 self._share_state(True)
                 self._thread.start()
             try:
@@ -339,9 +396,23 @@ class Session:
             # whenever the loop waits for I/O (here too, while it joins).
             await self._end_thread()
             self._share_state(False)
+            self._holds_state.took_back()  # handles the thread gave out last
+            self._holds_state.fast = None  # (a reference cycle through the reader)
             self._state_lock.release()
             if self._burst is not None:
                 self._burst.release()  # the readers' hold: nobody reads any more
+
+    def _start_compiled(self, thread: RequestThread) -> None:
+        """The compiled reader for ``thread``, with the filesystem's hooks."""
+        handlers = self.handlers
+        if handlers.adopt_opens is None or handlers.use_tickets is None:
+            return  # a dispatch table without them: the Python reader
+        self.fast_reader = _fastreader.Reader(
+            self.fd, thread.wake_fd, self._state_lock, self._holds_state
+        )
+        self._holds_state.fast = self.fast_reader
+        self._holds_state.adopt = handlers.adopt_opens
+        handlers.use_tickets(self.fast_reader)
 
     async def _end_thread(self) -> None:
         thread, self._thread = self._thread, None
@@ -504,6 +575,8 @@ class Session:
         """On the loop: let the request thread run fast paths while the loop
         waits for I/O, or not (it parked: the loop reads)."""
         if share and not self._sharing:
+            # The loop ran alone, and may have changed anything.
+            self._holds_state.took_back()
             trio.lowlevel.add_instrument(self._holds_state)
         elif not share and self._sharing:
             trio.lowlevel.remove_instrument(self._holds_state)
@@ -581,7 +654,9 @@ class Session:
             plan = None
             try:
                 answered = fast is not None and self._run_fast(fast, req, count_declined=False)
-                if not answered and self._store_watch is not None and self._store_watch.usable():
+                if answered:
+                    self._after_thread_answer()
+                elif self._store_watch is not None and self._store_watch.usable():
                     plan = self._plan_checked(req)
             finally:
                 self._state_lock.release()
@@ -623,10 +698,20 @@ class Session:
                 lambda r: checked.finish(r, plan, result), req, count_declined=False
             ):
                 return False
+            self._after_thread_answer()
         finally:
             self._state_lock.release()
         self.counters.checked += 1
         return True
+
+    def _after_thread_answer(self) -> None:
+        hook = self.handlers.after_thread_answer
+        if hook is None:
+            return
+        try:
+            hook()
+        except Exception:  # a bug; the answer stands, and the thread reads on
+            log.exception("after the request thread's answer")
 
     def _init_or_stateless(self, req: Request) -> None:
         self.counters.stateless += 1
@@ -739,13 +824,17 @@ class Session:
         except (BlockingIOError, InterruptedError):
             return 0
         except OSError as exc:
-            if exc.errno == errno.ENOENT:
-                return 0  # interrupted before it was read
-            if exc.errno not in (errno.ENODEV, errno.ECONNABORTED):
-                log.error("reading /dev/fuse failed, ending the session: %s", exc)
-            # Unmounted, aborted (/sys/fs/fuse/connections/N/abort), or
-            # unreadable: the session ends, and with it the mount.
-            raise _Unmounted from None
+            return self.read_failed(exc)
+
+    def read_failed(self, exc: OSError) -> int:
+        """0 for a read that found nothing after all; else the session ends."""
+        if exc.errno in (errno.ENOENT, errno.EAGAIN, errno.EINTR):
+            return 0  # ENOENT: interrupted before it was read
+        if exc.errno not in (errno.ENODEV, errno.ECONNABORTED):
+            log.error("reading /dev/fuse failed, ending the session: %s", exc)
+        # Unmounted, aborted (/sys/fs/fuse/connections/N/abort), or
+        # unreadable: the session ends, and with it the mount.
+        raise _Unmounted from None
 
     def _run_fast(self, fast: FastHandler, req: Request, count_declined: bool = True) -> bool:
         """Whether ``fast`` answered ``req`` (replied, or failed with an errno)."""
@@ -938,6 +1027,11 @@ class RequestThread:
         self._unanswered: Request | None = None  # read here, not yet answered nor handed on
         self._thread = threading.Thread(target=self._main, name="ckptfs-fuse", daemon=True)
 
+    @property
+    def wake_fd(self) -> int:
+        """Readable once :meth:`stop` was called (the compiled reader polls it)."""
+        return self._wake_r
+
     def start(self) -> None:
         self._thread.start()
 
@@ -991,6 +1085,9 @@ class RequestThread:
         self.session.give_to_loop(Handed.FAILED)
 
     def _serve(self) -> None:
+        if self.session.fast_reader is not None:
+            self._serve_compiled(self.session.fast_reader)
+            return
         session = self.session
         burst = session._burst
         counters = session.counters
@@ -1029,14 +1126,8 @@ class RequestThread:
             if spinning:
                 counters.spun += 1
                 spinning = False
-            req = self._unanswered = _request(buf, n)
-            try:
-                answered = session.answer_off_loop(req)
-            except ReadingTaken:  # parked; the loop answers req, and reads meanwhile
-                self._unanswered = None
-                continue
-            if answered:
-                self._unanswered = None
+            buf, req = self._serve_one(buf, n)
+            if req is not None:
                 # The caller was woken by the reply, often onto this CPU (a
                 # waker's CPU is where the scheduler tends to put it): let it
                 # run before the hold's bookkeeping, and spin only if it did
@@ -1046,11 +1137,66 @@ class RequestThread:
                 session.answered(req)
                 if spin and not shared:
                     spin_until = _now() + spin
+
+    def _serve_one(self, buf: bytearray, n: int) -> tuple[bytearray, Request | None]:
+        """The request read into ``buf``, answered here or handed to the loop
+        with the reading (this thread then parks); the buffer to read into
+        next, and the request if it was answered here."""
+        session = self.session
+        req = self._unanswered = _request(buf, n)
+        try:
+            answered = session.answer_off_loop(req)
+        except ReadingTaken:  # parked; the loop answers req, and reads meanwhile
+            self._unanswered = None
+            return buf, None
+        if answered:
+            self._unanswered = None
+            return buf, req
+        buf = session._hand_on(req, buf)
+        self._go.clear()
+        self._unanswered = None  # the loop's from here on
+        session.give_to_loop(req)
+        return buf, None
+
+    def _serve_compiled(self, fast: Any) -> None:
+        """As :meth:`_serve`, with the waits and reads (and the IOCTLs and
+        ticketed opens they answer themselves) in the compiled reader."""
+        session = self.session
+        burst = session._burst
+        told = session.handlers.compiled_answers
+        buf = _prefaulted(abi.BUFFER_SIZE)
+        answers = 0  # the compiled reader's, seen so far
+        while True:
+            if not self._go.is_set():
+                self._go.wait()
+            if self._stopping:
+                return
+            held = burst.remaining() if burst is not None else None
+            try:
+                n = fast.serve(buf, -1 if held is None else math.ceil(held * 1000))
+            except OSError as exc:
+                try:
+                    n = session.read_failed(exc)
+                except _Unmounted:
+                    self._go.clear()
+                    session.give_to_loop(Handed.GONE)
+                    return
+            if fast.opens + fast.ioctls != answers:
+                answers = fast.opens + fast.ioctls
+                if burst is not None:
+                    burst.answered()
+                if told is not None:
+                    told()
+            if n <= 0:
+                if n == _fastreader.TIMED_OUT and burst is not None:
+                    burst.let_go_if_over()  # no request for the hold's time
+                elif n == _fastreader.WOKEN:
+                    _drain(self._wake_r)
                 continue
-            buf = session._hand_on(req, buf)
-            self._go.clear()
-            self._unanswered = None  # the loop's from here on
-            session.give_to_loop(req)
+            buf, req = self._serve_one(buf, n)
+            if req is not None:
+                _yield_ran_another()
+                session.answered(req)
 
 
 _now = time.monotonic
@@ -1116,14 +1262,21 @@ def describe(session: Session | None) -> dict[str, Any]:
     if session is None:
         return {}
     c = session.counters
+    fast = session.fast_reader
+    opens, ioctls = (fast.opens, fast.ioctls) if fast is not None else (0, 0)
     return {
         "requests": {
-            "fast": c.fast + c.thread,
-            "thread": c.thread,
+            "fast": c.fast + c.thread + opens,
+            "thread": c.thread + opens,
+            # By the compiled reader (fs/_fastreader.c): counted in fast and
+            # thread (the opens) and in stateless (the IOCTLs).
+            "compiled_opens": opens,
+            "compiled_ioctls": ioctls,
+            "compiled_write_errors": fast.write_errors if fast is not None else 0,
             "checked": c.checked,
             "handled": c.handled,
             "declined": c.declined,
-            "stateless": c.stateless + c.thread_stateless,
+            "stateless": c.stateless + c.thread_stateless + ioctls,
             "spun": c.spun,
             "taken": c.taken,
             "thread_failures": c.thread_failures,
@@ -1132,4 +1285,5 @@ def describe(session: Session | None) -> dict[str, Any]:
         },
         "workers": c.workers,
         "read_by": session.mode.value,
+        "reader": "compiled" if fast is not None else "python",
     }

@@ -194,6 +194,10 @@ class Operations:
         self.cpu_latency = cpu_latency or CpuLatencyHold(0)
         self.writeback_cache = writeback_cache
         self.direct_writes = direct_writes
+        # The compiled reader's open tickets (fs/_fastreader.c), once it runs,
+        # and the inode the request thread's last answer was about.
+        self.tickets: Any = None
+        self._ticket_for = 0
 
     def handlers(self) -> Handlers:
         """The session's dispatch table."""
@@ -235,9 +239,9 @@ class Operations:
                 Op.RELEASEDIR: self.releasedir_now,
             },
             off_loop={
-                Op.OPEN: self.open_now,
+                Op.OPEN: self.open_off_loop,
                 Op.READ: self.read_off_loop,
-                Op.GETATTR: self.getattr_now,
+                Op.GETATTR: self.getattr_off_loop,
                 Op.FLUSH: self.flush_now,
                 Op.RELEASE: self.release_off_loop,
             },
@@ -251,7 +255,55 @@ class Operations:
                 ),
             },
             writeback_cache=self.writeback_cache,
+            use_tickets=self.use_tickets,
+            adopt_opens=self.adopt_opens,
+            compiled_answers=self.compiled_answers,
+            after_thread_answer=self.issue_ticket,
         )
+
+    # ----- the compiled reader's open tickets ---------------------------------------------
+    def use_tickets(self, tickets: Any) -> None:
+        self.tickets = tickets
+
+    def _ticket_wanted(self, ino: int) -> None:
+        """The request thread answered about ``ino`` (a file it may open next)."""
+        self._ticket_for = ino
+
+    def issue_ticket(self) -> None:
+        """After the request thread's answer, its reply written and the state
+        lock still held: a ticket for the next read-only open of the inode it
+        was about, or none (FileSystem.open_ticket). Only the thread issues,
+        while the loop waits: the loop's next turn lapses every ticket."""
+        ino, self._ticket_for = self._ticket_for, 0
+        if not ino or self.tickets is None:
+            return
+        try:
+            ticket = self.fs.open_ticket(ino)
+        except BaseException:
+            self.tickets.withdraw(ino)  # the answer may have changed the inode
+            raise
+        if ticket is None:
+            self.tickets.withdraw(ino)
+            return
+        deadline, keep, keep_later = ticket
+        self.tickets.issue(
+            ino,
+            deadline,
+            self._open_flags(os.O_RDONLY, keep, writes=False),
+            self._open_flags(os.O_RDONLY, keep_later, writes=False),
+        )
+
+    def adopt_opens(self, opened: list[tuple[int, int, int, int, int]]) -> None:
+        """The handles the compiled reader gave out, each for a ticket's open."""
+        for fh, ino, uid, gid, pid in opened:
+            try:
+                self.fs.adopt_open(fh, ino, Caller(uid, gid, pid))
+            except Exception:  # a bug: this handle's reads fail; the others stand
+                log.exception("inode %d: adopting the compiled reader's handle %d failed", ino, fh)
+
+    def compiled_answers(self) -> None:
+        """The compiled reader answered requests (its answers pass no handler)."""
+        self.cpu_latency.touch()
 
     def _open_flags(self, flags: int, keep: bool, writes: bool) -> int:
         """The OPEN/CREATE reply's flags for a handle that ``writes`` or not."""
@@ -279,7 +331,10 @@ class Operations:
     @finishing("lookup")
     def lookup_checked(self, req: Request, check: CheckPlan, found: Entry) -> Reply | None:
         attr = self.fs.lookup_checked(req.nodeid, _one_name(req), check, found)
-        return None if attr is None else entry(attr)
+        if attr is None:
+            return None
+        self._ticket_wanted(attr.ino)
+        return entry(attr)
 
     @handler
     async def getattr(self, req: Request) -> Reply:
@@ -291,12 +346,19 @@ class Operations:
     @finishing("getattr")
     def getattr_checked(self, req: Request, check: CheckPlan, found: Entry) -> Reply | None:
         attr = self.fs.getattr_checked(check, found)
-        return None if attr is None else attributes(attr)
+        if attr is None:
+            return None
+        self._ticket_wanted(req.nodeid)
+        return attributes(attr)
 
     @fast
     def getattr_now(self, req: Request) -> Reply | None:
         attr = self.fs.getattr_now(req.nodeid)
         return None if attr is None else attributes(attr)
+
+    def getattr_off_loop(self, req: Request) -> Reply | None:
+        self._ticket_wanted(req.nodeid)
+        return self.getattr_now(req)
 
     @handler
     async def setattr(self, req: Request) -> Reply:
@@ -446,6 +508,10 @@ class Operations:
         flags, _ = abi.OPEN_IN.unpack_from(req.body)
         return self._opened(flags, self.fs.open_now(req.nodeid, flags, _caller(req)))
 
+    def open_off_loop(self, req: Request) -> Reply | None:
+        self._ticket_wanted(req.nodeid)
+        return self.open_now(req)
+
     def _opened(self, flags: int, opened: tuple[int, bool] | None) -> Reply | None:
         """A read-only open's reply (None: declined)."""
         if opened is None:
@@ -463,6 +529,7 @@ class Operations:
     @finishing("open")
     def open_checked(self, req: Request, check: CheckPlan, found: Entry) -> Reply | None:
         flags, _ = abi.OPEN_IN.unpack_from(req.body)
+        self._ticket_wanted(req.nodeid)
         return self._opened(flags, self.fs.open_checked(check, found, _caller(req)))
 
     @handler

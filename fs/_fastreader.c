@@ -1,0 +1,440 @@
+/* ckptfs.fs._fastreader: the request thread's compiled reader.
+
+   Why compiled: on a VM whose caches the host takes between bursts, the
+   request thread's Python for one read-only open ran about 250 us cold
+   (15 us warm), and torch.load(mmap=True) sends that OPEN and an IOCTL
+   (Python's isatty) inside the window in which a replace of the path tears
+   the load (issue 13, docs/PERFORMANCE.md). This reader waits for and reads
+   each request, answers the IOCTL (ENOTTY, as Session._stateless does) and a
+   read-only OPEN for which the filesystem issued an *open ticket*, and hands
+   everything else back to Python.
+
+   Who owns what: the filesystem (Python) owns every file's state. A ticket
+   says "a read-only open of this inode gets a handle with these reply
+   flags", issued by the request thread's Python under the state lock, and
+   valid only while the ticket epoch is unchanged and until its deadline
+   (the manifest check it rests on). The loop bumps the epoch each time it
+   takes the state lock back (it may change anything then), so a ticket
+   never outlives a state change. An open answered here takes the state lock
+   without waiting (as every off-loop answer does), checks the ticket under
+   it, and queues the handle it gave out; whoever takes the lock next adopts
+   the queued handles (drain) before it reads any state. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <poll.h>
+#include <sched.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define IN_HEADER 40
+#define OUT_HEADER 16
+#define OP_OPEN 14
+#define OP_IOCTL 39
+#define TICKETS 256 /* direct-mapped by inode number: a collision only evicts */
+#define FIRST_FH (1ULL << 62) /* disjoint from the filesystem's own handles */
+
+/* What serve() returns besides a request's size. */
+#define TIMED_OUT 0
+#define WOKEN (-1)
+#define ANSWERED (-2)
+#define NOTHING (-3)
+
+typedef struct {
+    uint64_t ino;
+    uint64_t epoch;
+    double deadline; /* CLOCK_MONOTONIC seconds, as time.monotonic() */
+    uint32_t flags;  /* the next OPEN reply's open_flags */
+    uint32_t later;  /* the open_flags after that one (its open sets what the kernel keeps) */
+} Ticket;
+
+typedef struct {
+    uint64_t fh, ino;
+    uint32_t uid, gid, pid;
+} Opened;
+
+typedef struct {
+    PyObject_HEAD
+    int fd;
+    int wake_fd;
+    PyObject *lock;  /* the session's state lock */
+    PyObject *holds; /* its _LoopHoldsState: loop_waits */
+    uint64_t epoch;
+    uint64_t next_fh;
+    Ticket tickets[TICKETS];
+    Opened *opened;
+    Py_ssize_t n_opened, cap_opened;
+    unsigned long long opens, ioctls, write_errors;
+} Reader;
+
+static PyObject *str_loop_waits, *str_acquire, *str_release;
+
+static double now_monotonic(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int Reader_init(Reader *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"fd", "wake_fd", "lock", "holds", NULL};
+    PyObject *lock, *holds;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiOO", kwlist, &self->fd, &self->wake_fd,
+                                     &lock, &holds))
+        return -1;
+    Py_XSETREF(self->lock, Py_NewRef(lock));
+    Py_XSETREF(self->holds, Py_NewRef(holds));
+    self->epoch = 1; /* tickets are zeroed: epoch 0 is never current */
+    self->next_fh = FIRST_FH;
+    return 0;
+}
+
+static void Reader_dealloc(Reader *self) {
+    Py_XDECREF(self->lock);
+    Py_XDECREF(self->holds);
+    PyMem_Free(self->opened);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* The state lock, taken without waiting, unless the loop waits for it
+   (_LoopHoldsState.try_take). 1: taken; 0: not; -1: a Python error. */
+static int take_state(Reader *self) {
+    PyObject *waits = PyObject_GetAttr(self->holds, str_loop_waits);
+    if (waits == NULL)
+        return -1;
+    int busy = PyObject_IsTrue(waits);
+    Py_DECREF(waits);
+    if (busy != 0)
+        return busy < 0 ? -1 : 0;
+    PyObject *got = PyObject_CallMethodOneArg(self->lock, str_acquire, Py_False);
+    if (got == NULL)
+        return -1;
+    int taken = PyObject_IsTrue(got);
+    Py_DECREF(got);
+    return taken;
+}
+
+static int let_go_state(Reader *self) {
+    PyObject *r = PyObject_CallMethodNoArgs(self->lock, str_release);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+static int queue_opened(Reader *self, const Opened *o) {
+    if (self->n_opened == self->cap_opened) {
+        Py_ssize_t cap = self->cap_opened ? self->cap_opened * 2 : 16;
+        Opened *grown = PyMem_Realloc(self->opened, (size_t)cap * sizeof(Opened));
+        if (grown == NULL)
+            return -1;
+        self->opened = grown;
+        self->cap_opened = cap;
+    }
+    self->opened[self->n_opened++] = *o;
+    return 0;
+}
+
+/* The reply, written with the GIL let go; ENOENT (the caller was
+   interrupted) and ENODEV (unmounted) are not errors here, as in
+   Session._write; anything else is counted. */
+static void write_reply(Reader *self, const void *reply, size_t size) {
+    ssize_t w;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    w = write(self->fd, reply, size);
+    if (w < 0)
+        err = errno;
+    Py_END_ALLOW_THREADS
+    if (w < 0 && err != ENOENT && err != ENODEV)
+        self->write_errors++;
+}
+
+static void yield_cpu(void) {
+    /* As the Python thread does after its own answers: the caller, woken by
+       the reply, often lands on this CPU; let it run first. */
+    Py_BEGIN_ALLOW_THREADS
+    sched_yield();
+    Py_END_ALLOW_THREADS
+}
+
+static int ticket_valid(const Reader *self, const Ticket *t, uint64_t ino) {
+    return t->ino == ino && t->epoch == self->epoch && now_monotonic() < t->deadline;
+}
+
+/* A Python error here must not cost the request its answer: it is reported
+   (as an unraisable exception, which the daemon logs) and the open goes to
+   Python's own path. */
+static int declined_on_error(void) {
+    PyErr_WriteUnraisable(NULL);
+    return 0;
+}
+
+/* A read-only OPEN of a ticketed inode: 1 answered, 0 Python's to answer. */
+static int try_open(Reader *self, const unsigned char *buf, ssize_t n, uint64_t unique,
+                    uint64_t ino, uint32_t uid, uint32_t gid, uint32_t pid) {
+    if (n < IN_HEADER + 8)
+        return 0;
+    uint32_t flags;
+    memcpy(&flags, buf + IN_HEADER, sizeof flags);
+    if ((flags & O_ACCMODE) != O_RDONLY || (flags & O_TRUNC))
+        return 0;
+    Ticket *t = &self->tickets[ino % TICKETS];
+    if (!ticket_valid(self, t, ino))
+        return 0;
+    int taken = take_state(self);
+    if (taken < 0)
+        return declined_on_error();
+    if (!taken)
+        return 0;
+    /* The loop may have taken the lock back (and bumped the epoch) since. */
+    Opened o = {self->next_fh, ino, uid, gid, pid};
+    if (!ticket_valid(self, t, ino) || queue_opened(self, &o) < 0) {
+        if (PyErr_Occurred())
+            PyErr_WriteUnraisable(NULL);
+        return let_go_state(self) < 0 ? declined_on_error() : 0;
+    }
+    self->next_fh++;
+    struct {
+        uint32_t len;
+        int32_t error;
+        uint64_t unique;
+        uint64_t fh;
+        uint32_t open_flags;
+        int32_t backing_id;
+    } reply = {sizeof reply, 0, unique, o.fh, t->flags, 0};
+    t->flags = t->later;
+    write_reply(self, &reply, sizeof reply);
+    self->opens++;
+    if (let_go_state(self) < 0) /* not ours after all: nothing to undo */
+        PyErr_WriteUnraisable(NULL);
+    return 1;
+}
+
+static PyObject *Reader_serve(Reader *self, PyObject *args) {
+    PyObject *bufobj;
+    int timeout_ms;
+    if (!PyArg_ParseTuple(args, "Oi", &bufobj, &timeout_ms))
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(bufobj, &view, PyBUF_WRITABLE) < 0)
+        return NULL;
+    long result;
+    int answered = 0;
+    for (;;) {
+        ssize_t n;
+        int err = 0, polled = 0, woken = 0, poll_err = 0;
+        Py_BEGIN_ALLOW_THREADS
+        /* Read before waiting: a caller's next request is often there. */
+        n = read(self->fd, view.buf, (size_t)view.len);
+        err = n < 0 ? errno : 0;
+        if (n < 0 && err == EAGAIN && !answered) {
+            struct pollfd p[2] = {{self->fd, POLLIN, 0}, {self->wake_fd, POLLIN, 0}};
+            int r = poll(p, 2, timeout_ms);
+            polled = 1;
+            if (r > 0 && (p[1].revents & POLLIN))
+                woken = 1;
+            else if (r > 0) {
+                n = read(self->fd, view.buf, (size_t)view.len);
+                err = n < 0 ? errno : 0;
+            } else if (r < 0 && errno != EINTR) {
+                poll_err = errno;
+            }
+        }
+        Py_END_ALLOW_THREADS
+        if (poll_err) {
+            PyBuffer_Release(&view);
+            errno = poll_err;
+            /* Not OSError: that is a read's, and would end the session. */
+            return PyErr_SetFromErrno(PyExc_RuntimeError);
+        }
+        if (woken) {
+            result = WOKEN;
+            break;
+        }
+        if (n > 0) {
+            const unsigned char *b = view.buf;
+            uint32_t op, uid, gid, pid;
+            uint64_t unique, ino;
+            if (n < IN_HEADER) {
+                result = n; /* Python's to make sense of */
+                break;
+            }
+            memcpy(&op, b + 4, 4);
+            memcpy(&unique, b + 8, 8);
+            memcpy(&ino, b + 16, 8);
+            memcpy(&uid, b + 24, 4);
+            memcpy(&gid, b + 28, 4);
+            memcpy(&pid, b + 32, 4);
+            if (op == OP_IOCTL) {
+                struct {
+                    uint32_t len;
+                    int32_t error;
+                    uint64_t unique;
+                } reply = {OUT_HEADER, -ENOTTY, unique};
+                write_reply(self, &reply, sizeof reply);
+                self->ioctls++;
+                answered++;
+                yield_cpu();
+                continue;
+            }
+            if (op == OP_OPEN) {
+                if (try_open(self, b, n, unique, ino, uid, gid, pid)) {
+                    answered++;
+                    yield_cpu();
+                    continue;
+                }
+            }
+            result = n;
+            break;
+        }
+        if (n == 0 || err == EAGAIN) {
+            /* Nothing now: after answers, back to Python before any wait (its
+               hold bookkeeping); else the poll timed out. */
+            result = answered ? ANSWERED : (polled ? TIMED_OUT : NOTHING);
+            break;
+        }
+        if (err == EINTR || err == ENOENT) { /* ENOENT: interrupted before it was read */
+            result = answered ? ANSWERED : NOTHING;
+            break;
+        }
+        PyBuffer_Release(&view);
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    PyBuffer_Release(&view);
+    return PyLong_FromLong(result);
+}
+
+static PyObject *Reader_issue(Reader *self, PyObject *args) {
+    unsigned long long ino;
+    double deadline;
+    unsigned int flags, later;
+    if (!PyArg_ParseTuple(args, "KdII", &ino, &deadline, &flags, &later))
+        return NULL;
+    Ticket *t = &self->tickets[ino % TICKETS];
+    t->ino = ino;
+    t->epoch = self->epoch;
+    t->deadline = deadline;
+    t->flags = flags;
+    t->later = later;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Reader_withdraw(Reader *self, PyObject *arg) {
+    unsigned long long ino = PyLong_AsUnsignedLongLong(arg);
+    if (ino == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    Ticket *t = &self->tickets[ino % TICKETS];
+    if (t->ino == ino)
+        t->epoch = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Reader_invalidate(Reader *self, PyObject *Py_UNUSED(ignored)) {
+    self->epoch++;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Reader_drain(Reader *self, PyObject *Py_UNUSED(ignored)) {
+    PyObject *out = PyList_New(self->n_opened);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < self->n_opened; i++) {
+        const Opened *o = &self->opened[i];
+        PyObject *item = Py_BuildValue("(KKIII)", (unsigned long long)o->fh,
+                                       (unsigned long long)o->ino, o->uid, o->gid, o->pid);
+        if (item == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, item);
+    }
+    self->n_opened = 0;
+    return out;
+}
+
+static PyObject *Reader_get_pending(Reader *self, void *Py_UNUSED(closure)) {
+    return PyLong_FromSsize_t(self->n_opened);
+}
+
+static PyMethodDef Reader_methods[] = {
+    {"serve", (PyCFunction)Reader_serve, METH_VARARGS,
+     "serve(buf, timeout_ms) -> int: wait (up to timeout_ms, -1: no limit) and read; "
+     "answer IOCTLs and ticketed read-only OPENs; return a request's size (it is in buf), "
+     "0 (the wait timed out), -1 (woken), -2 (answered, nothing more now), -3 (nothing read)."},
+    {"issue", (PyCFunction)Reader_issue, METH_VARARGS,
+     "issue(ino, deadline, open_flags, later_flags): a read-only open of ino may be answered "
+     "until deadline (time.monotonic()) while the epoch holds, the first with open_flags, "
+     "the next with later_flags; state lock held."},
+    {"withdraw", (PyCFunction)Reader_withdraw, METH_O, "withdraw(ino): its ticket, if any."},
+    {"invalidate", (PyCFunction)Reader_invalidate, METH_NOARGS,
+     "Every ticket: the state may change now (state lock held)."},
+    {"drain", (PyCFunction)Reader_drain, METH_NOARGS,
+     "The handles given out since the last drain: [(fh, ino, uid, gid, pid)] (state lock held)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef Reader_members[] = {
+    {"opens", T_ULONGLONG, offsetof(Reader, opens), READONLY, "read-only OPENs answered"},
+    {"ioctls", T_ULONGLONG, offsetof(Reader, ioctls), READONLY, "IOCTLs answered (ENOTTY)"},
+    {"write_errors", T_ULONGLONG, offsetof(Reader, write_errors), READONLY,
+     "replies the kernel refused (not ENOENT or ENODEV)"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef Reader_getset[] = {
+    {"pending", (getter)Reader_get_pending, NULL, "handles given out, not yet drained", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject ReaderType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "ckptfs.fs._fastreader.Reader",
+    .tp_basicsize = sizeof(Reader),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The request thread's compiled reader of one FUSE connection.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Reader_init,
+    .tp_dealloc = (destructor)Reader_dealloc,
+    .tp_methods = Reader_methods,
+    .tp_members = Reader_members,
+    .tp_getset = Reader_getset,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "ckptfs.fs._fastreader",
+    "The request thread's compiled reader (see fs/_fastreader.c).", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__fastreader(void) {
+    str_loop_waits = PyUnicode_InternFromString("loop_waits");
+    str_acquire = PyUnicode_InternFromString("acquire");
+    str_release = PyUnicode_InternFromString("release");
+    if (!str_loop_waits || !str_acquire || !str_release)
+        return NULL;
+    if (PyType_Ready(&ReaderType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(m, "Reader", (PyObject *)&ReaderType) < 0 ||
+        PyModule_AddIntConstant(m, "TIMED_OUT", TIMED_OUT) < 0 ||
+        PyModule_AddIntConstant(m, "WOKEN", WOKEN) < 0 ||
+        PyModule_AddIntConstant(m, "ANSWERED", ANSWERED) < 0 ||
+        PyModule_AddIntConstant(m, "NOTHING", NOTHING) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyObject *first = PyLong_FromUnsignedLongLong(FIRST_FH);
+    if (first == NULL || PyModule_AddObject(m, "FIRST_FH", first) < 0) {
+        Py_XDECREF(first);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,533 @@
+"""The request thread's compiled reader (fs/_fastreader.c) and its open
+tickets.
+
+Three layers: the reader alone, on a SOCK_SEQPACKET socket pair standing in
+for /dev/fuse (one message per request, as /dev/fuse reads); the tickets the
+filesystem issues, which must never say yes where ``open_now`` says no, and
+whose handles must be exactly what ``open_now`` makes; and real mounts, where
+torch.load's opens and isatty go through it while files are rewritten,
+replaced and removed."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import random
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from ckptfs.fs import _fastreader, fusesession
+from ckptfs.fs import fuseabi as abi
+from ckptfs.fs.fuseabi import Op
+from ckptfs.fs.inodes import ROOT
+from conftest import wait_for
+from lifecycle_harness import Harness
+from test_fast_paths import inline, tables
+from test_getattr import CALLER, close, opened, rewrite_elsewhere
+
+KEEP = abi.FOPEN_KEEP_CACHE | abi.FOPEN_NOFLUSH
+BUF = bytearray(1 << 16)
+
+
+def request(op: int, unique: int, nodeid: int, body: bytes = b"", ids=(1000, 1000, 4242)) -> bytes:
+    uid, gid, pid = ids
+    size = abi.IN_HEADER.size + len(body)
+    return abi.IN_HEADER.pack(size, op, unique, nodeid, uid, gid, pid, 0, 0) + body
+
+
+def open_request(unique: int, ino: int, flags: int = os.O_RDONLY) -> bytes:
+    return request(Op.OPEN, unique, ino, abi.OPEN_IN.pack(flags, 0))
+
+
+class Rig:
+    """A reader over one end of a socket pair; the test is the kernel."""
+
+    def __init__(self) -> None:
+        self.kernel, self.daemon = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.daemon.setblocking(False)
+        self.kernel.setblocking(False)
+        self.wake_r, self.wake_w = os.pipe()
+        self.lock = threading.Lock()
+        self.holds = SimpleNamespace(loop_waits=False)
+        self.reader = _fastreader.Reader(self.daemon.fileno(), self.wake_r, self.lock, self.holds)
+
+    def send(self, *requests: bytes) -> None:
+        for r in requests:
+            self.kernel.send(r)
+
+    def replies(self) -> list[bytes]:
+        out = []
+        while True:
+            try:
+                out.append(self.kernel.recv(1 << 16))
+            except BlockingIOError:
+                return out
+
+    def close(self) -> None:
+        self.kernel.close()
+        self.daemon.close()
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    r = Rig()
+    yield r
+    r.close()
+
+
+def test_isatty_gets_enotty_from_the_reader(rig: Rig) -> None:
+    rig.send(request(Op.IOCTL, 7, 5, b"\0" * 32))
+    assert rig.reader.serve(BUF, 1000) == _fastreader.ANSWERED
+    assert rig.replies() == [abi.OUT_HEADER.pack(16, -errno.ENOTTY, 7)]
+    assert (rig.reader.ioctls, rig.reader.opens) == (1, 0)
+
+
+def test_a_ticketed_read_only_open_is_answered_and_its_handle_queued(rig: Rig) -> None:
+    r = rig.reader
+    r.issue(5, time.monotonic() + 60, KEEP, KEEP)
+    rig.send(open_request(11, 5), open_request(12, 5, os.O_RDONLY | os.O_NONBLOCK))
+    assert r.serve(BUF, 1000) == _fastreader.ANSWERED  # both, in one call
+    first, second = _fastreader.FIRST_FH, _fastreader.FIRST_FH + 1
+    header = abi.OUT_HEADER.size + abi.OPEN_OUT.size
+    assert rig.replies() == [
+        abi.OUT_HEADER.pack(header, 0, 11) + abi.OPEN_OUT.pack(first, KEEP, 0),
+        abi.OUT_HEADER.pack(header, 0, 12) + abi.OPEN_OUT.pack(second, KEEP, 0),
+    ]
+    assert r.pending == 2
+    assert r.drain() == [(first, 5, 1000, 1000, 4242), (second, 5, 1000, 1000, 4242)]
+    assert r.pending == 0 and r.drain() == []
+    assert not rig.lock.locked()  # taken for each open, and let go
+    assert r.opens == 2
+
+
+def test_a_tickets_first_open_may_differ_from_the_next(rig: Rig) -> None:
+    """The first compiled open of a ticket makes the kernel's pages the
+    file's (FileSystem._kernel_may_keep): the ones after it may keep them."""
+    r = rig.reader
+    r.issue(5, time.monotonic() + 60, abi.FOPEN_NOFLUSH, KEEP)
+    rig.send(open_request(13, 5), open_request(14, 5), open_request(15, 5))
+    assert r.serve(BUF, 1000) == _fastreader.ANSWERED
+    flags = [abi.OPEN_OUT.unpack_from(x, abi.OUT_HEADER.size)[1] for x in rig.replies()]
+    assert flags == [abi.FOPEN_NOFLUSH, KEEP, KEEP]
+
+
+def test_a_python_error_in_the_open_leaves_it_to_python(rig: Rig, monkeypatch: Any) -> None:
+    """The open was read already: it must get an answer, from Python's path,
+    with the state lock let go and the error reported."""
+
+    class Broken:
+        @property
+        def loop_waits(self) -> bool:
+            raise ValueError("a bug")
+
+    reported: list[Any] = []
+    monkeypatch.setattr("sys.unraisablehook", reported.append)
+    reader = _fastreader.Reader(rig.daemon.fileno(), rig.wake_r, rig.lock, Broken())
+    reader.issue(5, time.monotonic() + 60, KEEP, KEEP)
+    req = open_request(16, 5)
+    rig.send(req)
+    n = reader.serve(BUF, 1000)
+    assert n == len(req) and bytes(BUF[:n]) == req
+    assert rig.replies() == [] and not rig.lock.locked() and reader.pending == 0
+    assert [type(u.exc_value) for u in reported] == [ValueError]
+
+
+def _no_ticket(rig: Rig) -> None:
+    pass
+
+
+def _expired(rig: Rig) -> None:
+    rig.reader.issue(5, time.monotonic() - 0.001, KEEP, KEEP)
+
+
+def _lapsed(rig: Rig) -> None:
+    rig.reader.issue(5, time.monotonic() + 60, KEEP, KEEP)
+    rig.reader.invalidate()  # the loop took the state lock back
+
+
+def _withdrawn(rig: Rig) -> None:
+    rig.reader.issue(5, time.monotonic() + 60, KEEP, KEEP)
+    rig.reader.withdraw(5)
+
+
+def _another_inode_in_its_slot(rig: Rig) -> None:
+    rig.reader.issue(5 + 256, time.monotonic() + 60, KEEP, KEEP)  # evicts nothing of 5's
+
+
+def _state_taken(rig: Rig) -> None:
+    rig.reader.issue(5, time.monotonic() + 60, KEEP, KEEP)
+    rig.lock.acquire()  # the loop runs
+
+
+def _loop_waits(rig: Rig) -> None:
+    rig.reader.issue(5, time.monotonic() + 60, KEEP, KEEP)
+    rig.holds.loop_waits = True
+
+
+@pytest.mark.parametrize(
+    "flags", [os.O_RDONLY, os.O_WRONLY, os.O_RDWR, os.O_RDONLY | os.O_TRUNC], ids=str
+)
+@pytest.mark.parametrize(
+    "setup",
+    [
+        _no_ticket,
+        _expired,
+        _lapsed,
+        _withdrawn,
+        _another_inode_in_its_slot,
+        _state_taken,
+        _loop_waits,
+    ],
+)
+def test_an_open_no_ticket_covers_is_handed_to_python_untouched(
+    rig: Rig, setup: Any, flags: int
+) -> None:
+    if setup is _no_ticket or flags == os.O_RDONLY:
+        setup(rig)
+    else:  # a valid ticket: the flags alone make it Python's
+        rig.reader.issue(5, time.monotonic() + 60, KEEP, KEEP)
+    req = open_request(21, 5, flags)
+    rig.send(req)
+    n = rig.reader.serve(BUF, 1000)
+    assert n == len(req) and bytes(BUF[:n]) == req
+    assert rig.replies() == []
+    assert rig.reader.drain() == [] and rig.reader.opens == 0
+
+
+def test_answers_before_a_request_for_python_are_kept(rig: Rig) -> None:
+    r = rig.reader
+    r.issue(5, time.monotonic() + 60, KEEP, KEEP)
+    lookup = request(Op.LOOKUP, 33, ROOT, b"x.pt\0")
+    rig.send(open_request(31, 5), request(Op.IOCTL, 32, 5, b"\0" * 32), lookup)
+    n = r.serve(BUF, 1000)
+    assert bytes(BUF[:n]) == lookup
+    assert [abi.OUT_HEADER.unpack_from(x)[2] for x in rig.replies()] == [31, 32]
+    assert (r.opens, r.ioctls, r.pending) == (1, 1, 1)
+
+
+def test_the_wait_ends_on_its_timeout_or_when_woken(rig: Rig) -> None:
+    start = time.monotonic()
+    assert rig.reader.serve(BUF, 50) == _fastreader.TIMED_OUT
+    assert time.monotonic() - start >= 0.045
+    os.write(rig.wake_w, b"x")
+    assert rig.reader.serve(BUF, -1) == _fastreader.WOKEN
+
+
+def test_a_reply_the_kernel_refuses_is_counted_not_raised(rig: Rig) -> None:
+    rig.send(request(Op.IOCTL, 41, 5))
+    rig.kernel.shutdown(socket.SHUT_RD)  # replies now fail with EPIPE
+    assert rig.reader.serve(BUF, 1000) == _fastreader.ANSWERED
+    assert rig.reader.write_errors == 1
+
+
+def _holds(rig: Rig, adopted: list[Any]) -> Any:
+    """The session's lock protocol (fusesession._LoopHoldsState) over the
+    rig's reader, as Session._start_compiled wires it; the loop holds the lock."""
+    holds = fusesession._LoopHoldsState(rig.lock)
+    holds.adopt = adopted.extend
+    rig.reader = _fastreader.Reader(rig.daemon.fileno(), rig.wake_r, rig.lock, holds)
+    holds.fast = rig.reader
+    rig.lock.acquire()
+    return holds
+
+
+def test_the_loops_turn_lapses_every_ticket_and_adopts_first(rig: Rig) -> None:
+    adopted: list[Any] = []
+    holds = _holds(rig, adopted)
+    holds.before_io_wait(0)  # the loop waits for I/O: the thread may take the lock
+    rig.reader.issue(5, time.monotonic() + 60, KEEP, KEEP)
+    rig.send(open_request(51, 5))
+    assert rig.reader.serve(BUF, 1000) == _fastreader.ANSWERED
+    assert adopted == []
+    holds.after_io_wait(0)  # the loop's turn: it may change anything now
+    assert [o[1] for o in adopted] == [5] and rig.reader.pending == 0
+    holds.before_io_wait(0)
+    req = open_request(52, 5)
+    rig.send(req)
+    assert rig.reader.serve(BUF, 1000) == len(req)  # the ticket lapsed: Python's
+    rig.replies()
+
+
+def test_the_threads_python_adopts_before_it_reads_any_state(rig: Rig) -> None:
+    adopted: list[Any] = []
+    holds = _holds(rig, adopted)
+    holds.before_io_wait(0)
+    rig.reader.issue(5, time.monotonic() + 60, KEEP, KEEP)
+    rig.send(open_request(61, 5), open_request(62, 5))
+    assert rig.reader.serve(BUF, 1000) == _fastreader.ANSWERED
+    assert holds.try_take()  # the request thread's Python, for its next request
+    assert [o[0] for o in adopted] == [_fastreader.FIRST_FH, _fastreader.FIRST_FH + 1]
+    rig.lock.release()
+    # Its Python tickets stay: only the loop's turn lapses them.
+    rig.send(open_request(63, 5))
+    assert rig.reader.serve(BUF, 1000) == _fastreader.ANSWERED
+    holds.after_io_wait(0)
+
+
+# ----- the tickets the filesystem issues -------------------------------------------------------
+
+
+def test_a_ticket_is_issued_exactly_where_open_now_opens(h: Harness, monkeypatch: Any) -> None:
+    fs = h.core.fs
+    ino, fh = opened(h, "a.pt")  # its lookup checked the manifest just now
+    close(h, fh)
+    ticket = inline(h, fs.open_ticket, ino)
+    assert ticket is not None
+    deadline, keep, keep_later = ticket
+    assert keep and keep_later
+    assert deadline == fs.inodes[ino].checked_at + fs.config.open_recheck
+    got = inline(h, fs.open_now, ino, os.O_RDONLY, CALLER)
+    assert got is not None and got[1] == keep
+    inline(h, fs.release_now, got[0])
+    # Where open_now declines, no ticket: a directory, an unknown inode, a
+    # check older than fuse.open_recheck (close-to-open reads the manifest).
+    assert inline(h, fs.open_ticket, ROOT) is None
+    assert inline(h, fs.open_ticket, 999_999) is None
+    monkeypatch.setattr(fs.config, "open_recheck", 0.0)
+    assert inline(h, fs.open_now, ino, os.O_RDONLY, CALLER) is None
+    assert inline(h, fs.open_ticket, ino) is None
+
+
+def test_a_ticket_lasts_no_longer_than_the_check_it_rests_on(h: Harness) -> None:
+    fs = h.core.fs
+    ino, fh = opened(h, "b.pt")
+    close(h, fh)
+    deadline, _, _ = inline(h, fs.open_ticket, ino)
+    time.sleep(max(0.0, deadline - time.monotonic()) + 0.01)
+    assert inline(h, fs.open_now, ino, os.O_RDONLY, CALLER) is None
+    assert inline(h, fs.open_ticket, ino) is None
+    # Another node's new version: the check that finds it issues no ticket.
+    rewrite_elsewhere(h, "b.pt", random.randbytes(1000))
+    h.call(fs.lookup, ROOT, "b.pt")
+    assert inline(h, fs.open_ticket, ino) is None
+
+
+def test_no_ticket_while_a_rename_is_in_flight(h: Harness) -> None:
+    fs = h.core.fs
+    ino, fh = opened(h, "c.pt")
+    close(h, fh)
+    assert inline(h, fs.open_ticket, ino) is not None
+    with fs.ns_lock.replacing("/elsewhere.pt"):  # any rename: the ticket names no path
+        assert inline(h, fs.open_ticket, ino) is None
+    assert inline(h, fs.open_ticket, ino) is not None
+
+
+def test_a_file_written_here_gets_a_ticket_without_keeping_pages(h: Harness) -> None:
+    fs = h.core.fs
+    fh_w, attr = h.call(fs.create, ROOT, "w.pt", 0o644, os.O_WRONLY | os.O_CREAT, CALLER)
+    h.call(fs.write, fh_w, 0, b"x" * 100)
+    assert inline(h, fs.open_ticket, attr.ino) == (float("inf"), False, False)
+    got = inline(h, fs.open_now, attr.ino, os.O_RDONLY, CALLER)
+    assert got is not None and got[1] is False
+    inline(h, fs.release_now, got[0])
+    close(h, fh_w)
+
+
+def test_an_unlinked_inode_gets_no_ticket(h: Harness) -> None:
+    fs = h.core.fs
+    ino, fh = opened(h, "d.pt")
+    h.call(fs.unlink, ROOT, "d.pt")
+    assert inline(h, fs.open_ticket, ino) is None
+    close(h, fh)
+
+
+def test_an_adopted_handle_is_what_open_now_makes(h: Harness) -> None:
+    fs = h.core.fs
+    ino, fh = opened(h, "e.pt")
+    close(h, fh)
+    before = tables(h)
+    fh_now, _ = inline(h, fs.open_now, ino, os.O_RDONLY, CALLER)
+    by_open_now = tables(h)
+    inline(h, fs.release_now, fh_now)
+    assert tables(h) == before
+    adopted = _fastreader.FIRST_FH + 7
+    inline(h, fs.adopt_open, adopted, ino, CALLER)
+    handles, inodes, files = tables(h)
+    want_handles, want_inodes, want_files = by_open_now
+    assert (inodes, files) == (want_inodes, want_files)
+    assert handles[adopted] == want_handles[fh_now]
+    assert inline(h, fs.release_now, adopted) is True
+    assert tables(h) == before
+
+
+# ----- on real mounts -----------------------------------------------------------------------------
+
+
+def _requests(m: Any) -> dict[str, Any]:
+    return m.stat()["fuse"]["requests"]
+
+
+def _load_loop(path: Path, sd: dict[str, Any], loads: int) -> None:
+    import torch
+
+    for _ in range(loads):
+        os.stat(path)
+        got = torch.load(path, mmap=True, weights_only=True)
+        assert got.keys() == sd.keys()
+        for k, v in sd.items():
+            assert torch.equal(got[k], v), k
+
+
+def test_torch_loads_through_the_compiled_reader(mounted: Any) -> None:
+    import torch
+
+    m = mounted
+    assert m.stat()["fuse"]["reader"] == "compiled"
+    sd = {f"w{i}": torch.randn(4096 + i) for i in range(6)}
+    torch.save(sd, m.mnt / "a.pt")
+    before = _requests(m)
+    _load_loop(m.mnt / "a.pt", sd, 30)
+    after = _requests(m)
+    # isatty's IOCTL every load, and most opens (a check older than
+    # fuse.open_recheck, or the loop's turn in between, sends one to Python).
+    assert after["compiled_ioctls"] - before["compiled_ioctls"] >= 30
+    assert after["compiled_opens"] - before["compiled_opens"] >= 20
+    assert m.stat()["fuse"]["handles"] == 0  # every handle it gave out was released
+
+
+def test_a_rewrite_in_place_between_compiled_opens_is_read_whole(mounted: Any) -> None:
+    """The same inode, truncated and written again by another process: the
+    loop's turn lapses the ticket, so no open answers from the old state
+    (no stale pages kept, no old version)."""
+    import subprocess
+    import sys
+
+    import torch
+
+    m = mounted
+    path = m.mnt / "b.pt"
+    ino = None
+    for step in range(8):
+        sd = {"w": torch.randn(50_000 + step * 1000), "step": torch.tensor(step)}
+        code = (
+            "import sys, torch; sd = torch.load(sys.argv[2]);"
+            "f = open(sys.argv[1], 'r+b'); f.truncate(0); torch.save(sd, f); f.close()"
+        )
+        staged = m.root / f"staged-{step}.pt"
+        torch.save(sd, staged)
+        if step == 0:
+            torch.save(sd, path)
+        else:
+            subprocess.run([sys.executable, "-c", code, str(path), str(staged)], check=True)
+        ino = ino or os.stat(path).st_ino
+        assert os.stat(path).st_ino == ino  # rewritten in place, never replaced
+        _load_loop(path, sd, 3)
+    assert _requests(m)["compiled_opens"] > 0
+
+
+def test_loads_racing_replaces_and_removes_stay_whole(mounted: Any) -> None:
+    """Another process replaces and removes the file while this one loads
+    it: each load's tensors are one whole version (a load whose pickle is of
+    the version before is torn, as on any filesystem: tests/
+    test_frameworks_replace.py), or the name is gone; every handle is
+    released, and the daemon logs nothing unexpected."""
+    import shutil
+    import subprocess
+    import sys
+
+    import torch
+
+    m = mounted
+    path = m.mnt / "c.pt"
+    versions = {}
+    for v in range(4):
+        sd = {"w": torch.randn(20_000, generator=torch.Generator().manual_seed(v)), "v": v}
+        versions[v] = sd
+        # One archive name for all: every version has the same byte layout.
+        torch.save(sd, m.root / f"v{v}.pt")
+    shutil.copyfile(m.root / "v0.pt", path)
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, shutil, sys, time\n"
+            "root, path = sys.argv[1], sys.argv[2]\n"
+            "end = time.monotonic() + 6\n"
+            "i = 0\n"
+            "while time.monotonic() < end:\n"
+            "    i += 1\n"
+            "    tmp = path + '.tmp'\n"
+            "    shutil.copyfile(f'{root}/v{i % 4}.pt', tmp)\n"
+            "    os.replace(tmp, path)\n"
+            "    if i % 5 == 0:\n"
+            "        os.unlink(path)\n"
+            "    time.sleep(0.01)\n",
+            str(m.root),
+            str(path),
+        ]
+    )
+    loads = gone = 0
+    try:
+        while writer.poll() is None:
+            try:
+                got = torch.load(path, mmap=True, weights_only=True)
+            except FileNotFoundError:  # removed before the first open
+                gone += 1
+                continue
+            except RuntimeError as exc:  # removed between the two opens
+                assert "No such file or directory" in str(exc), exc
+                gone += 1
+                continue
+            whole = [v for v, sd in versions.items() if torch.equal(got["w"], sd["w"])]
+            assert len(whole) == 1, f"load {loads}: tensor bytes of no whole version"
+            loads += 1
+    finally:
+        writer.kill()
+        writer.wait(10)
+    assert loads > 20 and gone > 0
+    requests = _requests(m)
+    assert requests["compiled_opens"] > 0 and requests["compiled_ioctls"] > 0
+    del got  # its mapping holds the last load's file open
+    gc.collect()
+    wait_for(lambda: m.stat()["fuse"]["handles"] == 0, 10, "every handle released")
+
+
+def test_an_ordinary_user_loads_through_the_compiled_reader(shared_mounts: Any) -> None:
+    import torch
+    from test_users import GROUP, USER, run_as
+
+    m = shared_mounts()
+    m.mount()
+    sd = {"w": torch.randn(30_000)}
+    path = m.mnt / "u.pt"
+    torch.save(sd, path)
+    os.chmod(path, 0o644)
+    before = _requests(m)["compiled_opens"]
+    sums = run_as(
+        USER,
+        GROUP,
+        "import json, os, sys, torch\n"
+        "out = []\n"
+        "for _ in range(10):\n"
+        "    os.stat(sys.argv[3])\n"
+        "    out.append(float(torch.load(sys.argv[3], mmap=True)['w'].sum()))\n"
+        "print(json.dumps(out))\n",
+        str(path),
+    )
+    assert sums == [float(sd["w"].sum())] * 10
+    assert _requests(m)["compiled_opens"] > before
+
+
+def test_the_python_reader_when_the_compiled_one_is_off(mounts: Any) -> None:
+    import torch
+
+    m = mounts()
+    config = m.root / "python-reader.yaml"
+    config.write_text("fuse:\n  compiled_reader: false\n")
+    m.mount("--config", str(config))
+    assert m.stat()["fuse"]["reader"] == "python"
+    sd = {"w": torch.randn(10_000)}
+    torch.save(sd, m.mnt / "p.pt")
+    _load_loop(m.mnt / "p.pt", sd, 5)
+    r = _requests(m)
+    assert (r["compiled_opens"], r["compiled_ioctls"]) == (0, 0)
+    assert r["stateless"] >= 5  # isatty, answered in Python

@@ -30,6 +30,8 @@
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <sys/vfs.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -52,11 +54,19 @@ typedef struct {
     double deadline; /* CLOCK_MONOTONIC seconds, as time.monotonic() */
     uint32_t flags;  /* the next OPEN reply's open_flags */
     uint32_t later;  /* the open_flags after that one (its open sets what the kernel keeps) */
+    /* For a check of our own once the deadline passed (a local store only):
+       the manifest's path under the store's root, the identity (dev, ino,
+       size, mtime_ns, ctime_ns) of the one the last check read, and how
+       long a check lasts (fuse.open_recheck). NULL: no check here. */
+    char *manifest;
+    int64_t identity[5];
+    double recheck;
 } Ticket;
 
 typedef struct {
     uint64_t fh, ino;
     uint32_t uid, gid, pid;
+    double checked_at; /* when its own check began (time.monotonic()); 0: none */
 } Opened;
 
 typedef struct {
@@ -65,12 +75,13 @@ typedef struct {
     int wake_fd;
     PyObject *lock;  /* the session's state lock */
     PyObject *holds; /* its _LoopHoldsState: loop_waits */
+    int store_fd;    /* the backing store's root, for checks of our own; -1: none */
     uint64_t epoch;
     uint64_t next_fh;
     Ticket tickets[TICKETS];
     Opened *opened;
     Py_ssize_t n_opened, cap_opened;
-    unsigned long long opens, ioctls, write_errors;
+    unsigned long long opens, ioctls, write_errors, checks;
 } Reader;
 
 static PyObject *str_loop_waits, *str_acquire, *str_release;
@@ -91,10 +102,13 @@ static int Reader_init(Reader *self, PyObject *args, PyObject *kwds) {
     Py_XSETREF(self->holds, Py_NewRef(holds));
     self->epoch = 1; /* tickets are zeroed: epoch 0 is never current */
     self->next_fh = FIRST_FH;
+    self->store_fd = -1;
     return 0;
 }
 
 static void Reader_dealloc(Reader *self) {
+    for (int i = 0; i < TICKETS; i++)
+        PyMem_Free(self->tickets[i].manifest);
     Py_XDECREF(self->lock);
     Py_XDECREF(self->holds);
     PyMem_Free(self->opened);
@@ -163,8 +177,34 @@ static void yield_cpu(void) {
     Py_END_ALLOW_THREADS
 }
 
-static int ticket_valid(const Reader *self, const Ticket *t, uint64_t ino) {
-    return t->ino == ino && t->epoch == self->epoch && now_monotonic() < t->deadline;
+/* The check an open makes once its ticket's last check is too old
+   (close-to-open): whether the manifest at the name is still the very file
+   the last check read. One stat of a local store, with the GIL let go; any
+   doubt (an error, another file) leaves the open to Python's own check. */
+static int same_manifest(Reader *self, const Ticket *t) {
+    char path[PATH_MAX];
+    int64_t want[5];
+    size_t len = strlen(t->manifest);
+    if (len >= sizeof path)
+        return 0;
+    memcpy(path, t->manifest, len + 1);
+    memcpy(want, t->identity, sizeof want);
+    struct stat st;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = fstatat(self->store_fd, path, &st, AT_SYMLINK_NOFOLLOW);
+    Py_END_ALLOW_THREADS
+    self->checks++;
+    if (r != 0 || !S_ISREG(st.st_mode))
+        return 0;
+    int64_t got[5] = {
+        (int64_t)st.st_dev,
+        (int64_t)st.st_ino,
+        (int64_t)st.st_size,
+        (int64_t)st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec,
+        (int64_t)st.st_ctim.tv_sec * 1000000000 + st.st_ctim.tv_nsec,
+    };
+    return memcmp(got, want, sizeof got) == 0;
 }
 
 /* A Python error here must not cost the request its answer: it is reported
@@ -185,16 +225,26 @@ static int try_open(Reader *self, const unsigned char *buf, ssize_t n, uint64_t 
     if ((flags & O_ACCMODE) != O_RDONLY || (flags & O_TRUNC))
         return 0;
     Ticket *t = &self->tickets[ino % TICKETS];
-    if (!ticket_valid(self, t, ino))
+    if (t->ino != ino || t->epoch != self->epoch)
         return 0;
+    double checked_at = 0.0;
+    if (!(now_monotonic() < t->deadline)) {
+        if (t->manifest == NULL || self->store_fd < 0)
+            return 0;
+        checked_at = now_monotonic(); /* as Python's check: when the read began */
+        if (!same_manifest(self, t))
+            return 0;
+    }
     int taken = take_state(self);
     if (taken < 0)
         return declined_on_error();
     if (!taken)
         return 0;
     /* The loop may have taken the lock back (and bumped the epoch) since. */
-    Opened o = {self->next_fh, ino, uid, gid, pid};
-    if (!ticket_valid(self, t, ino) || queue_opened(self, &o) < 0) {
+    Opened o = {self->next_fh, ino, uid, gid, pid, checked_at};
+    int valid = t->ino == ino && t->epoch == self->epoch &&
+                (checked_at > 0.0 || now_monotonic() < t->deadline);
+    if (!valid || queue_opened(self, &o) < 0) {
         if (PyErr_Occurred())
             PyErr_WriteUnraisable(NULL);
         return let_go_state(self) < 0 ? declined_on_error() : 0;
@@ -209,6 +259,8 @@ static int try_open(Reader *self, const unsigned char *buf, ssize_t n, uint64_t 
         int32_t backing_id;
     } reply = {sizeof reply, 0, unique, o.fh, t->flags, 0};
     t->flags = t->later;
+    if (checked_at > 0.0)
+        t->deadline = checked_at + t->recheck; /* as the filesystem's open_ticket would say */
     write_reply(self, &reply, sizeof reply);
     self->opens++;
     if (let_go_state(self) < 0) /* not ours after all: nothing to undo */
@@ -313,16 +365,40 @@ static PyObject *Reader_serve(Reader *self, PyObject *args) {
 
 static PyObject *Reader_issue(Reader *self, PyObject *args) {
     unsigned long long ino;
-    double deadline;
+    double deadline, recheck = 0.0;
     unsigned int flags, later;
-    if (!PyArg_ParseTuple(args, "KdII", &ino, &deadline, &flags, &later))
+    const char *manifest = NULL;
+    long long id[5] = {0, 0, 0, 0, 0};
+    if (!PyArg_ParseTuple(args, "KdII|z(LLLLL)d", &ino, &deadline, &flags, &later, &manifest,
+                          &id[0], &id[1], &id[2], &id[3], &id[4], &recheck))
         return NULL;
+    char *copy = NULL;
+    if (manifest != NULL) {
+        size_t len = strlen(manifest);
+        copy = PyMem_Malloc(len + 1);
+        if (copy == NULL)
+            return PyErr_NoMemory();
+        memcpy(copy, manifest, len + 1);
+    }
     Ticket *t = &self->tickets[ino % TICKETS];
+    PyMem_Free(t->manifest);
+    t->manifest = copy;
+    for (int i = 0; i < 5; i++)
+        t->identity[i] = (int64_t)id[i];
+    t->recheck = recheck;
     t->ino = ino;
     t->epoch = self->epoch;
     t->deadline = deadline;
     t->flags = flags;
     t->later = later;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Reader_checks_in(Reader *self, PyObject *arg) {
+    long fd = PyLong_AsLong(arg);
+    if (fd == -1 && PyErr_Occurred())
+        return NULL;
+    self->store_fd = (int)fd;
     Py_RETURN_NONE;
 }
 
@@ -347,8 +423,9 @@ static PyObject *Reader_drain(Reader *self, PyObject *Py_UNUSED(ignored)) {
         return NULL;
     for (Py_ssize_t i = 0; i < self->n_opened; i++) {
         const Opened *o = &self->opened[i];
-        PyObject *item = Py_BuildValue("(KKIII)", (unsigned long long)o->fh,
-                                       (unsigned long long)o->ino, o->uid, o->gid, o->pid);
+        PyObject *item = Py_BuildValue("(KKIIId)", (unsigned long long)o->fh,
+                                       (unsigned long long)o->ino, o->uid, o->gid, o->pid,
+                                       o->checked_at);
         if (item == NULL) {
             Py_DECREF(out);
             return NULL;
@@ -357,6 +434,16 @@ static PyObject *Reader_drain(Reader *self, PyObject *Py_UNUSED(ignored)) {
     }
     self->n_opened = 0;
     return out;
+}
+
+static PyObject *Reader_fs_magic(PyObject *Py_UNUSED(cls), PyObject *arg) {
+    long fd = PyLong_AsLong(arg);
+    if (fd == -1 && PyErr_Occurred())
+        return NULL;
+    struct statfs sf;
+    if (fstatfs((int)fd, &sf) != 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    return PyLong_FromUnsignedLong((unsigned long)sf.f_type);
 }
 
 static PyObject *Reader_get_pending(Reader *self, void *Py_UNUSED(closure)) {
@@ -371,18 +458,29 @@ static PyMethodDef Reader_methods[] = {
     {"issue", (PyCFunction)Reader_issue, METH_VARARGS,
      "issue(ino, deadline, open_flags, later_flags): a read-only open of ino may be answered "
      "until deadline (time.monotonic()) while the epoch holds, the first with open_flags, "
-     "the next with later_flags; state lock held."},
+     "the next with later_flags; state lock held. With manifest (a path under the store "
+     "root given to checks_in), identity (dev, ino, size, mtime_ns, ctime_ns) and recheck: "
+     "past the deadline, an open whose stat of the manifest finds that identity is "
+     "answered too, and the ticket lasts recheck seconds from that check."},
+    {"checks_in", (PyCFunction)Reader_checks_in, METH_O,
+     "checks_in(fd): the local store's root directory, for the checks of tickets that "
+     "name a manifest (-1: none)."},
     {"withdraw", (PyCFunction)Reader_withdraw, METH_O, "withdraw(ino): its ticket, if any."},
     {"invalidate", (PyCFunction)Reader_invalidate, METH_NOARGS,
      "Every ticket: the state may change now (state lock held)."},
     {"drain", (PyCFunction)Reader_drain, METH_NOARGS,
-     "The handles given out since the last drain: [(fh, ino, uid, gid, pid)] (state lock held)."},
+     "The handles given out since the last drain: [(fh, ino, uid, gid, pid, checked_at)], "
+     "checked_at the time.monotonic() its own check began, 0.0 if none (state lock held)."},
+    {"fs_magic", (PyCFunction)Reader_fs_magic, METH_O | METH_STATIC,
+     "fs_magic(fd) -> int: the f_type fstatfs(2) gives for fd's filesystem."},
     {NULL, NULL, 0, NULL},
 };
 
 static PyMemberDef Reader_members[] = {
     {"opens", T_ULONGLONG, offsetof(Reader, opens), READONLY, "read-only OPENs answered"},
     {"ioctls", T_ULONGLONG, offsetof(Reader, ioctls), READONLY, "IOCTLs answered (ENOTTY)"},
+    {"checks", T_ULONGLONG, offsetof(Reader, checks), READONLY,
+     "manifest checks of its own (a stat of the local store)"},
     {"write_errors", T_ULONGLONG, offsetof(Reader, write_errors), READONLY,
      "replies the kernel refused (not ENOENT or ENODEV)"},
     {NULL, 0, 0, 0, NULL},

@@ -128,7 +128,8 @@ class Config:
     request_spin: float = 0.0
     # The request thread waits, reads, and answers isatty's IOCTL and the
     # read-only opens the filesystem issued a ticket for in compiled code
-    # (fs/_fastreader.c); off: all of it in Python, as before.
+    # (fs/_fastreader.c); off: all of it in Python, as before. Off by default
+    # with peers (see parse).
     compiled_reader: bool = True
     # A closed file waits this long (seconds) before its flush starts: a
     # close is often followed at once by a rename (torch.save to a temporary
@@ -323,6 +324,12 @@ def load_config(
     config.peers_config = parse_peers(config.peers or None, config.node)
     if "durability" not in values and config.peers_config is not None:
         config.durability = "buddy"  # the default with peers (DESIGN.md)
+    if "fuse.compiled_reader" not in values and config.peers_config is not None:
+        # Off with peers unless asked for: with it, readers on one node of a
+        # file another node replaces 15 times a second got more ESTALE opens
+        # (tests/test_frameworks_replace.py; cause not found yet, README
+        # Limits), and across nodes every open's manifest check is due anyway.
+        config.compiled_reader = False
     if "fuse.open_recheck" not in values and config.peers_config is not None:
         # Reusing a recent check would let an open that follows another
         # node's close within the window read the old version: with peers,

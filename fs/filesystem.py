@@ -39,7 +39,7 @@ from .inodes import ROOT, Inode, InodeTable
 from .interrupts import Interrupted, interruptible
 from .journal import record_of
 from .kernelpages import KernelCache, KernelPages, pieces
-from .manifest import Manifest, new_id
+from .manifest import Manifest, ParsedManifests, new_id
 from .nslock import NamespaceLock
 from .renamelog import needs_record
 from .state import FileRole, FileState, Published
@@ -105,6 +105,20 @@ class Handle:
     writable: bool = False
     uid: int = 0  # who opened it: writes by anyone but root clear setuid/setgid
     tid: int = 0  # the thread that opened it, as the kernel names it (0: unknown)
+
+
+@dataclass(slots=True)
+class OpenTicket:
+    """What :meth:`FileSystem.open_ticket` says of the next read-only opens
+    of an inode, for the compiled reader (fs/_fastreader.c)."""
+
+    deadline: float  # time.monotonic() until which no check is due
+    keep: bool  # the next open's FOPEN_KEEP_CACHE
+    keep_later: bool = False  # the ones' after it
+    # The manifest the last check read (path in the store, stat identity),
+    # for a check of the reader's own once the deadline passed; None: none.
+    manifest: str | None = None
+    identity: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -789,13 +803,16 @@ class FileSystem:
             return None  # (the loop's open sends a dropped version back)
         return self._opened(inode, f, caller)
 
-    def open_ticket(self, ino: int) -> tuple[float, bool, bool] | None:
+    def open_ticket(self, ino: int) -> OpenTicket | None:
         """Whether :meth:`open_now` would open ``ino`` read-only as things
         are (ignoring who calls: a rename in flight anywhere says no), and
         would go on doing so, with nothing changed, until the deadline
         returned (time.monotonic(); inf for a file written here): that
         deadline, and whether the kernel may keep its pages at the next
-        open and at the ones after it (that open makes them ours). The request
+        open and at the ones after it (that open makes them ours); for a
+        file of this node's that only a check may change, also the manifest
+        that check read, which the thread may stat once the deadline passed
+        (as :meth:`open_check_wanted` would, then :meth:`open_checked`). The request
         thread's compiled reader answers such opens itself until the loop
         runs again (fs/_fastreader.c); :meth:`adopt_open` takes the handle."""
         inode = self.inodes.get(ino)
@@ -810,14 +827,24 @@ class FileSystem:
             deadline = inode.checked_at + self.config.open_recheck
         if deadline <= time.monotonic():
             return None
-        return deadline, inode.kernel_version == f.version and not f.modified, not f.modified
+        ticket = OpenTicket(deadline, inode.kernel_version == f.version and not f.modified)
+        ticket.keep_later = not f.modified
+        seen = inode.checked
+        if seen is not None and _plain_reader_case(inode, f) and self.backing.io.health == "normal":
+            ticket.manifest = self.inodes.path(ino)
+            ticket.identity = ParsedManifests.identity(seen.st)
+        return ticket
 
-    def adopt_open(self, fh: int, ino: int, caller: Caller) -> None:
+    def adopt_open(self, fh: int, ino: int, caller: Caller, checked_at: float = 0.0) -> None:
         """A read-only handle ``fh`` that the compiled reader gave out for an
-        open ticket of ``ino``: what :meth:`open_now` would have made. The
-        state is as it was when the ticket was issued (whoever takes the
-        state lock adopts first)."""
+        open ticket of ``ino``: what :meth:`open_now` would have made (or,
+        after a check of its own that began at ``checked_at`` and found the
+        manifest the last check read, :meth:`open_checked`). The state is as
+        it was when the ticket was issued (whoever takes the state lock
+        adopts first)."""
         inode = self._inode(ino)
+        if checked_at > inode.checked_at:
+            inode.checked_at = checked_at  # the same manifest, seen again then
         f = inode.file
         if f is None:  # a ticket is only issued for a cached file
             raise RuntimeError(f"inode {ino}: a compiled open of an inode with no cached file")

@@ -169,7 +169,7 @@ class _LoopHoldsState(trio.abc.Instrument):
         self.loop_waits = False
         # The compiled reader, if it runs, and who adopts the handles it gave out.
         self.fast: Any = None
-        self.adopt: Callable[[list[tuple[int, int, int, int, int]]], None] | None = None
+        self.adopt: Callable[[list[tuple[int, int, int, int, int, float]]], None] | None = None
 
     def before_io_wait(self, timeout: float) -> None:
         self.lock.release()
@@ -253,7 +253,7 @@ class Handlers:
     # runs (issued by the off-loop paths, state lock held), and adopting the
     # handles of the read-only opens it answered: [(fh, ino, uid, gid, pid)].
     use_tickets: Callable[[Any], None] | None = None
-    adopt_opens: Callable[[list[tuple[int, int, int, int, int]]], None] | None = None
+    adopt_opens: Callable[[list[tuple[int, int, int, int, int, float]]], None] | None = None
     # Told when the compiled reader answered requests (from the request thread).
     compiled_answers: Callable[[], None] | None = None
     # After each answer of the request thread, its reply written, the state lock held.
@@ -1272,6 +1272,7 @@ def describe(session: Session | None) -> dict[str, Any]:
             # thread (the opens) and in stateless (the IOCTLs).
             "compiled_opens": opens,
             "compiled_ioctls": ioctls,
+            "compiled_checks": fast.checks if fast is not None else 0,
             "compiled_write_errors": fast.write_errors if fast is not None else 0,
             "checked": c.checked,
             "handled": c.handled,

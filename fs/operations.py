@@ -27,6 +27,9 @@ from .fuseabi import Op
 from .fusesession import CheckedPath, FuseError, Handlers, Reply, Request
 
 log = logging.getLogger("ckptfs.fuse")
+# statfs(2) f_type of the filesystems a backing store is local on: ext2/3/4,
+# xfs, btrfs, tmpfs, f2fs (linux/magic.h).
+LOCAL_FILESYSTEMS = frozenset({0xEF53, 0x58465342, 0x9123683E, 0x01021994, 0xF2F52010})
 T = TypeVar("T")
 ATTR_TIMEOUT = 1.0  # other nodes may change names and files: keep kernel caching short
 # Refusals that are part of normal operation (by design, or the caller's
@@ -264,6 +267,12 @@ class Operations:
     # ----- the compiled reader's open tickets ---------------------------------------------
     def use_tickets(self, tickets: Any) -> None:
         self.tickets = tickets
+        # A stat of a local store cannot hang as an NFS server's can, so the
+        # reader may make an open's due check itself, outside the store-call
+        # watch that bounds the thread's Python reads (fs/storecall.py).
+        root = self.fs.backing.root_fd
+        if type(tickets).fs_magic(root) in LOCAL_FILESYSTEMS:
+            tickets.checks_in(root)
 
     def _ticket_wanted(self, ino: int) -> None:
         """The request thread answered about ``ino`` (a file it may open next)."""
@@ -285,19 +294,27 @@ class Operations:
         if ticket is None:
             self.tickets.withdraw(ino)
             return
-        deadline, keep, keep_later = ticket
+        flags = self._open_flags(os.O_RDONLY, ticket.keep, writes=False)
+        later = self._open_flags(os.O_RDONLY, ticket.keep_later, writes=False)
+        recheck = self.fs.config.open_recheck
+        if ticket.manifest is None or not recheck:
+            self.tickets.issue(ino, ticket.deadline, flags, later)
+            return
         self.tickets.issue(
             ino,
-            deadline,
-            self._open_flags(os.O_RDONLY, keep, writes=False),
-            self._open_flags(os.O_RDONLY, keep_later, writes=False),
+            ticket.deadline,
+            flags,
+            later,
+            ticket.manifest,
+            ticket.identity,
+            recheck,
         )
 
-    def adopt_opens(self, opened: list[tuple[int, int, int, int, int]]) -> None:
+    def adopt_opens(self, opened: list[tuple[int, int, int, int, int, float]]) -> None:
         """The handles the compiled reader gave out, each for a ticket's open."""
-        for fh, ino, uid, gid, pid in opened:
+        for fh, ino, uid, gid, pid, checked_at in opened:
             try:
-                self.fs.adopt_open(fh, ino, Caller(uid, gid, pid))
+                self.fs.adopt_open(fh, ino, Caller(uid, gid, pid), checked_at)
             except Exception:  # a bug: this handle's reads fail; the others stand
                 log.exception("inode %d: adopting the compiled reader's handle %d failed", ino, fh)
 

@@ -27,6 +27,7 @@ from ckptfs.fs import _fastreader, fusesession
 from ckptfs.fs import fuseabi as abi
 from ckptfs.fs.fuseabi import Op
 from ckptfs.fs.inodes import ROOT
+from ckptfs.fs.manifest import ParsedManifests
 from conftest import wait_for
 from lifecycle_harness import Harness
 from test_fast_paths import inline, tables
@@ -103,7 +104,7 @@ def test_a_ticketed_read_only_open_is_answered_and_its_handle_queued(rig: Rig) -
         abi.OUT_HEADER.pack(header, 0, 12) + abi.OPEN_OUT.pack(second, KEEP, 0),
     ]
     assert r.pending == 2
-    assert r.drain() == [(first, 5, 1000, 1000, 4242), (second, 5, 1000, 1000, 4242)]
+    assert r.drain() == [(first, 5, 1000, 1000, 4242, 0.0), (second, 5, 1000, 1000, 4242, 0.0)]
     assert r.pending == 0 and r.drain() == []
     assert not rig.lock.locked()  # taken for each open, and let go
     assert r.opens == 2
@@ -139,6 +140,58 @@ def test_a_python_error_in_the_open_leaves_it_to_python(rig: Rig, monkeypatch: A
     assert n == len(req) and bytes(BUF[:n]) == req
     assert rig.replies() == [] and not rig.lock.locked() and reader.pending == 0
     assert [type(u.exc_value) for u in reported] == [ValueError]
+
+
+def test_past_its_deadline_a_ticket_is_checked_against_its_manifest(
+    rig: Rig, tmp_path: Path
+) -> None:
+    """Close-to-open: once the last check is older than fuse.open_recheck,
+    the reader stats the manifest itself (a local store) and answers only if
+    it is the very file that check read; the ticket then lasts recheck from
+    that check, and the handle carries when it began."""
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "a.pt").write_bytes(b"manifest one")
+    root = os.open(store, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        r = rig.reader
+        r.checks_in(root)
+        identity = ParsedManifests.identity(os.stat(store / "a.pt"))
+        r.issue(5, time.monotonic() - 1, KEEP, KEEP, "a.pt", identity, 60.0)
+        before = time.monotonic()
+        rig.send(open_request(71, 5), open_request(72, 5))
+        assert r.serve(BUF, 1000) == _fastreader.ANSWERED
+        assert len(rig.replies()) == 2
+        assert r.checks == 1  # the second open is within the check's recheck
+        (first, second) = r.drain()
+        assert first[5] >= before and second[5] == 0.0
+        # Rewritten since (another node's new version): Python's check says.
+        (store / "a.tmp").write_bytes(b"manifest two")
+        os.replace(store / "a.tmp", store / "a.pt")
+        r.issue(5, time.monotonic() - 1, KEEP, KEEP, "a.pt", identity, 60.0)
+        req = open_request(73, 5)
+        rig.send(req)
+        assert r.serve(BUF, 1000) == len(req) and rig.replies() == []
+        assert r.checks == 2
+        # Gone, or a ticket without a manifest: Python's too.
+        os.unlink(store / "a.pt")
+        r.issue(5, time.monotonic() - 1, KEEP, KEEP, "a.pt", identity, 60.0)
+        rig.send(req)
+        assert r.serve(BUF, 1000) == len(req)
+        r.issue(5, time.monotonic() - 1, KEEP, KEEP)
+        rig.send(req)
+        assert r.serve(BUF, 1000) == len(req)
+        assert rig.replies() == [] and r.drain() == []
+    finally:
+        os.close(root)
+
+
+def test_without_a_local_store_a_ticket_past_its_deadline_is_pythons(rig: Rig) -> None:
+    r = rig.reader  # no checks_in: the store may be NFS, whose stat may hang
+    r.issue(5, time.monotonic() - 1, KEEP, KEEP, "a.pt", (1, 2, 3, 4, 5), 60.0)
+    req = open_request(74, 5)
+    rig.send(req)
+    assert r.serve(BUF, 1000) == len(req) and r.checks == 0
 
 
 def _no_ticket(rig: Rig) -> None:
@@ -282,11 +335,13 @@ def test_a_ticket_is_issued_exactly_where_open_now_opens(h: Harness, monkeypatch
     close(h, fh)
     ticket = inline(h, fs.open_ticket, ino)
     assert ticket is not None
-    deadline, keep, keep_later = ticket
-    assert keep and keep_later
-    assert deadline == fs.inodes[ino].checked_at + fs.config.open_recheck
+    assert ticket.keep and ticket.keep_later
+    assert ticket.deadline == fs.inodes[ino].checked_at + fs.config.open_recheck
+    # The manifest that check read, for the reader's own check after the deadline.
+    assert ticket.manifest == "a.pt"
+    assert ticket.identity == ParsedManifests.identity(os.stat(h.backing / "a.pt"))
     got = inline(h, fs.open_now, ino, os.O_RDONLY, CALLER)
-    assert got is not None and got[1] == keep
+    assert got is not None and got[1] == ticket.keep
     inline(h, fs.release_now, got[0])
     # Where open_now declines, no ticket: a directory, an unknown inode, a
     # check older than fuse.open_recheck (close-to-open reads the manifest).
@@ -301,7 +356,7 @@ def test_a_ticket_lasts_no_longer_than_the_check_it_rests_on(h: Harness) -> None
     fs = h.core.fs
     ino, fh = opened(h, "b.pt")
     close(h, fh)
-    deadline, _, _ = inline(h, fs.open_ticket, ino)
+    deadline = inline(h, fs.open_ticket, ino).deadline
     time.sleep(max(0.0, deadline - time.monotonic()) + 0.01)
     assert inline(h, fs.open_now, ino, os.O_RDONLY, CALLER) is None
     assert inline(h, fs.open_ticket, ino) is None
@@ -325,7 +380,9 @@ def test_a_file_written_here_gets_a_ticket_without_keeping_pages(h: Harness) -> 
     fs = h.core.fs
     fh_w, attr = h.call(fs.create, ROOT, "w.pt", 0o644, os.O_WRONLY | os.O_CREAT, CALLER)
     h.call(fs.write, fh_w, 0, b"x" * 100)
-    assert inline(h, fs.open_ticket, attr.ino) == (float("inf"), False, False)
+    ticket = inline(h, fs.open_ticket, attr.ino)
+    assert (ticket.deadline, ticket.keep, ticket.keep_later) == (float("inf"), False, False)
+    assert ticket.manifest is None  # our copy is the current one: nothing to check
     got = inline(h, fs.open_now, attr.ino, os.O_RDONLY, CALLER)
     assert got is not None and got[1] is False
     inline(h, fs.release_now, got[0])
@@ -491,6 +548,45 @@ def test_loads_racing_replaces_and_removes_stay_whole(mounted: Any) -> None:
     wait_for(lambda: m.stat()["fuse"]["handles"] == 0, 10, "every handle released")
 
 
+def test_loads_spaced_past_the_recheck_are_checked_by_the_reader(mounts: Any) -> None:
+    """Loads of a few checkpoints in turn, each more than fuse.open_recheck
+    after its last check, with their attributes in the kernel's cache (no
+    stat reaches the daemon before the open): the reader checks each open's
+    manifest itself. Another mount of the same backing directory then
+    writes a new version of one of them: the next load here reads it,
+    whether the reader's check or the loop's turn (which lapses every
+    ticket, and may come first) sends that open to Python's check."""
+    import torch
+
+    a, b = mounts("a"), mounts("b")
+    a.mount()
+    b.mount()
+    sds = {}
+    for i in range(4):
+        sds[i] = {"w": torch.randn(8192, generator=torch.Generator().manual_seed(i))}
+        torch.save(sds[i], a.mnt / f"k{i}.pt")
+    a.cli("flush", str(a.mnt), "--wait")
+    paths = [a.mnt / f"k{i}.pt" for i in range(4)]
+    for p in paths:
+        torch.load(p, mmap=True, weights_only=True)
+    before = _requests(a)
+    for _ in range(5):
+        for i, p in enumerate(paths):
+            time.sleep(0.02)  # 4 x 20 ms per round: past the 50 ms recheck
+            got = torch.load(p, mmap=True, weights_only=True)
+            assert torch.equal(got["w"], sds[i]["w"])
+    after = _requests(a)
+    assert after["compiled_checks"] - before["compiled_checks"] >= 10
+    assert after["compiled_opens"] - before["compiled_opens"] >= 30
+    # Another writer of the backing directory (no peers: the recheck holds).
+    new = {"w": torch.randn(8192, generator=torch.Generator().manual_seed(99))}
+    torch.save(new, b.mnt / "k1.pt")
+    b.cli("flush", str(b.mnt), "--wait")
+    time.sleep(0.1)  # past a's recheck of its last look
+    got = torch.load(paths[1], mmap=True, weights_only=True)
+    assert torch.equal(got["w"], new["w"])
+
+
 def test_an_ordinary_user_loads_through_the_compiled_reader(shared_mounts: Any) -> None:
     import torch
     from test_users import GROUP, USER, run_as
@@ -531,3 +627,22 @@ def test_the_python_reader_when_the_compiled_one_is_off(mounts: Any) -> None:
     r = _requests(m)
     assert (r["compiled_opens"], r["compiled_ioctls"]) == (0, 0)
     assert r["stateless"] >= 5  # isatty, answered in Python
+
+
+def test_with_peers_the_compiled_reader_is_off_unless_asked_for(tmp_path: Path) -> None:
+    """Readers of a file another node replaces got more ESTALE opens with it
+    (README, Limits): with peers it takes ``fuse.compiled_reader: true``."""
+    from ckptfs.fs.config import load_config
+
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 40)
+    secret.chmod(0o600)
+    cfg = tmp_path / "peers.yaml"
+    cfg.write_text(
+        f"peers:\n  secret_file: {secret}\n  nodes:\n"
+        "    n1: 127.0.0.1:7001\n    n2: 127.0.0.1:7002\n"
+    )
+    assert load_config(None, {}, environ={}).compiled_reader
+    assert not load_config(cfg, {"node": "n1"}, environ={}).compiled_reader
+    asked = load_config(cfg, {"node": "n1", "fuse.compiled_reader": "true"}, environ={})
+    assert asked.compiled_reader

@@ -38,14 +38,14 @@ def requests_text(fuse: dict[str, Any]) -> str:
     failed = r.get("thread_failures", 0)
     failures = f"; the thread FAILED {failed} time(s): the loop reads for good" if failed else ""
     compiled = (
-        f"{r.get('compiled_opens', 0)} opens and {r.get('compiled_ioctls', 0)} isatty "
-        f"by its compiled reader, "
+        f"; {r.get('compiled_opens', 0)} opens and {r.get('compiled_ioctls', 0)} isatty "
+        "by its compiled reader"
         if fuse.get("reader") == "compiled"
         else ""
     )
     return (
         f"requests: {r['fast']} answered inline ({r.get('thread', 0)} by the request thread, "
-        f"{compiled}{r.get('checked', 0)} of them after its own store read; "
+        f"{r.get('checked', 0)} of them after its own store read{compiled}; "
         f"{r.get('taken', 0)} such read(s) ran so long that the loop took the reading"
         f"{failures}), "
         f"{r['handled']} by {fuse['workers']} "

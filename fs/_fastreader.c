@@ -7,7 +7,12 @@
    the load (issue 13, docs/PERFORMANCE.md). This reader waits for and reads
    each request, answers the IOCTL (ENOTTY, as Session._stateless does) and a
    read-only OPEN for which the filesystem issued an *open ticket*, and hands
-   everything else back to Python.
+   everything else back to Python. A load that comes after a second's pause
+   (the kernel's entry and attribute timeouts) also sends a GETATTR of each
+   directory on its path and a LOOKUP of each name, which Python answered
+   after a stat of the store, about 1 ms in all cold: the same kind of
+   ticket answers those too (*attr* and *entry* tickets), after the same stat
+   made here, when it finds what the filesystem's last look found.
 
    Who owns what: the filesystem (Python) owns every file's state. A ticket
    says "a read-only open of this inode gets a handle with these reply
@@ -18,7 +23,9 @@
    never outlives a state change. An open answered here takes the state lock
    without waiting (as every off-loop answer does), checks the ticket under
    it, and queues the handle it gave out; whoever takes the lock next adopts
-   the queued handles (drain) before it reads any state. */
+   the queued handles (drain) before it reads any state. A LOOKUP answered
+   here adds a kernel reference to the inode, and a check made here is one
+   the filesystem must know of: both are queued the same way (drain_seen). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -37,7 +44,12 @@
 
 #define IN_HEADER 40
 #define OUT_HEADER 16
+#define OP_LOOKUP 1
+#define OP_GETATTR 3
 #define OP_OPEN 14
+#define ATTR_OUT 104  /* struct fuse_attr_out */
+#define ENTRY_OUT 128 /* struct fuse_entry_out */
+#define NAME_MAX_LEN 255
 #define OP_IOCTL 39
 #define TICKETS 256 /* direct-mapped by inode number: a collision only evicts */
 #define FIRST_FH (1ULL << 62) /* disjoint from the filesystem's own handles */
@@ -48,26 +60,64 @@
 #define ANSWERED (-2)
 #define NOTHING (-3)
 
+/* A check of our own (a local store only): a stat of ``path`` under the
+   store's root must find the same ``identity`` (dev, ino, size, mtime_ns,
+   ctime_ns; atime_ns too for a directory, whose attributes show it) as the
+   filesystem's last look, and the same kind (a manifest is a regular file). */
+typedef struct {
+    char *path; /* NULL: no check here */
+    int64_t identity[6];
+    int directory;
+} Check;
+
 typedef struct {
     uint64_t ino;
     uint64_t epoch;
     double deadline; /* CLOCK_MONOTONIC seconds, as time.monotonic() */
     uint32_t flags;  /* the next OPEN reply's open_flags */
     uint32_t later;  /* the open_flags after that one (its open sets what the kernel keeps) */
-    /* For a check of our own once the deadline passed (a local store only):
-       the manifest's path under the store's root, the identity (dev, ino,
-       size, mtime_ns, ctime_ns) of the one the last check read, and how
-       long a check lasts (fuse.open_recheck). NULL: no check here. */
-    char *manifest;
-    int64_t identity[5];
+    /* Past the deadline: the manifest's check, and how long a check lasts
+       (fuse.open_recheck). */
+    Check check;
     double recheck;
 } Ticket;
+
+/* A GETATTR of ``ino`` is answered with ``reply`` until the deadline, and
+   after it once a check finds the same entry (for ``recheck`` seconds more). */
+typedef struct {
+    uint64_t ino;
+    uint64_t epoch;
+    double deadline;
+    double recheck;
+    Check check;
+    unsigned char reply[ATTR_OUT];
+} AttrTicket;
+
+/* A LOOKUP of ``name`` in ``parent`` is answered with ``reply`` (the entry of
+   ``child``) whenever a check finds the same entry: a lookup is a look at
+   the store each time (the kernel sends one once its entry timeout ran out). */
+typedef struct {
+    uint64_t parent;
+    uint64_t child;
+    uint64_t epoch;
+    size_t name_len;
+    char name[NAME_MAX_LEN + 1];
+    Check check;
+    unsigned char reply[ENTRY_OUT];
+} EntryTicket;
 
 typedef struct {
     uint64_t fh, ino;
     uint32_t uid, gid, pid;
     double checked_at; /* when its own check began (time.monotonic()); 0: none */
 } Opened;
+
+/* What the filesystem must learn of a LOOKUP or GETATTR answered here. */
+typedef struct {
+    uint64_t ino;
+    int lookup;        /* a LOOKUP: the kernel holds one more reference */
+    double checked_at; /* when a check of ours began that found the last look's entry; 0: none */
+} Seen;
 
 typedef struct {
     PyObject_HEAD
@@ -79,9 +129,13 @@ typedef struct {
     uint64_t epoch;
     uint64_t next_fh;
     Ticket tickets[TICKETS];
+    AttrTicket attrs[TICKETS];
+    EntryTicket entries[TICKETS]; /* direct-mapped by (parent, name) */
     Opened *opened;
     Py_ssize_t n_opened, cap_opened;
-    unsigned long long opens, ioctls, write_errors, checks;
+    Seen *seen;
+    Py_ssize_t n_seen, cap_seen;
+    unsigned long long opens, ioctls, getattrs, lookups, write_errors, checks;
 } Reader;
 
 static PyObject *str_loop_waits, *str_acquire, *str_release;
@@ -107,11 +161,15 @@ static int Reader_init(Reader *self, PyObject *args, PyObject *kwds) {
 }
 
 static void Reader_dealloc(Reader *self) {
-    for (int i = 0; i < TICKETS; i++)
-        PyMem_Free(self->tickets[i].manifest);
+    for (int i = 0; i < TICKETS; i++) {
+        PyMem_Free(self->tickets[i].check.path);
+        PyMem_Free(self->attrs[i].check.path);
+        PyMem_Free(self->entries[i].check.path);
+    }
     Py_XDECREF(self->lock);
     Py_XDECREF(self->holds);
     PyMem_Free(self->opened);
+    PyMem_Free(self->seen);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -154,6 +212,20 @@ static int queue_opened(Reader *self, const Opened *o) {
     return 0;
 }
 
+static int queue_seen(Reader *self, uint64_t ino, int lookup, double checked_at) {
+    if (self->n_seen == self->cap_seen) {
+        Py_ssize_t cap = self->cap_seen ? self->cap_seen * 2 : 16;
+        Seen *grown = PyMem_Realloc(self->seen, (size_t)cap * sizeof(Seen));
+        if (grown == NULL)
+            return -1;
+        self->seen = grown;
+        self->cap_seen = cap;
+    }
+    Seen s = {ino, lookup, checked_at};
+    self->seen[self->n_seen++] = s;
+    return 0;
+}
+
 /* The reply, written with the GIL let go; ENOENT (the caller was
    interrupted) and ENODEV (unmounted) are not errors here, as in
    Session._write; anything else is counted. */
@@ -177,34 +249,36 @@ static void yield_cpu(void) {
     Py_END_ALLOW_THREADS
 }
 
-/* The check an open makes once its ticket's last check is too old
-   (close-to-open): whether the manifest at the name is still the very file
-   the last check read. One stat of a local store, with the GIL let go; any
-   doubt (an error, another file) leaves the open to Python's own check. */
-static int same_manifest(Reader *self, const Ticket *t) {
+/* A check of our own (close-to-open, or a lookup's look at the store):
+   whether ``c``'s path still holds the very entry the filesystem's last
+   look found. One stat of a local store, with the GIL let go; any doubt (an
+   error, another entry) leaves the request to Python's own check. */
+static int same_check(Reader *self, const Check *c) {
     char path[PATH_MAX];
-    int64_t want[5];
-    size_t len = strlen(t->manifest);
+    int64_t want[6];
+    int directory = c->directory;
+    size_t len = strlen(c->path);
     if (len >= sizeof path)
         return 0;
-    memcpy(path, t->manifest, len + 1);
-    memcpy(want, t->identity, sizeof want);
+    memcpy(path, c->path, len + 1);
+    memcpy(want, c->identity, sizeof want);
     struct stat st;
     int r;
     Py_BEGIN_ALLOW_THREADS
     r = fstatat(self->store_fd, path, &st, AT_SYMLINK_NOFOLLOW);
     Py_END_ALLOW_THREADS
     self->checks++;
-    if (r != 0 || !S_ISREG(st.st_mode))
+    if (r != 0 || !(directory ? S_ISDIR(st.st_mode) : S_ISREG(st.st_mode)))
         return 0;
-    int64_t got[5] = {
+    int64_t got[6] = {
         (int64_t)st.st_dev,
         (int64_t)st.st_ino,
         (int64_t)st.st_size,
         (int64_t)st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec,
         (int64_t)st.st_ctim.tv_sec * 1000000000 + st.st_ctim.tv_nsec,
+        (int64_t)st.st_atim.tv_sec * 1000000000 + st.st_atim.tv_nsec,
     };
-    return memcmp(got, want, sizeof got) == 0;
+    return memcmp(got, want, (directory ? 6 : 5) * sizeof(int64_t)) == 0;
 }
 
 /* A Python error here must not cost the request its answer: it is reported
@@ -213,6 +287,33 @@ static int same_manifest(Reader *self, const Ticket *t) {
 static int declined_on_error(void) {
     PyErr_WriteUnraisable(NULL);
     return 0;
+}
+
+/* Whether a ticket valid until ``deadline`` may answer now: before it, or
+   after a check of ours (``check``) that finds the last look's entry;
+   ``checked_at`` then says when that check began (else 0). */
+static int still_good(Reader *self, double deadline, const Check *check, double *checked_at) {
+    *checked_at = 0.0;
+    if (now_monotonic() < deadline)
+        return 1;
+    if (check->path == NULL || self->store_fd < 0)
+        return 0;
+    *checked_at = now_monotonic(); /* as Python's check: when the read began */
+    return same_check(self, check);
+}
+
+/* The state lock, taken without waiting: 1 taken, 0 not (a Python error is
+   reported, and the request goes to Python). */
+static int lock_state(Reader *self) {
+    int taken = take_state(self);
+    return taken < 0 ? declined_on_error() : taken;
+}
+
+/* Declines with the state lock taken: let go of it. */
+static int decline_locked(Reader *self) {
+    if (PyErr_Occurred())
+        PyErr_WriteUnraisable(NULL);
+    return let_go_state(self) < 0 ? declined_on_error() : 0;
 }
 
 /* A read-only OPEN of a ticketed inode: 1 answered, 0 Python's to answer. */
@@ -227,28 +328,15 @@ static int try_open(Reader *self, const unsigned char *buf, ssize_t n, uint64_t 
     Ticket *t = &self->tickets[ino % TICKETS];
     if (t->ino != ino || t->epoch != self->epoch)
         return 0;
-    double checked_at = 0.0;
-    if (!(now_monotonic() < t->deadline)) {
-        if (t->manifest == NULL || self->store_fd < 0)
-            return 0;
-        checked_at = now_monotonic(); /* as Python's check: when the read began */
-        if (!same_manifest(self, t))
-            return 0;
-    }
-    int taken = take_state(self);
-    if (taken < 0)
-        return declined_on_error();
-    if (!taken)
+    double checked_at;
+    if (!still_good(self, t->deadline, &t->check, &checked_at) || !lock_state(self))
         return 0;
     /* The loop may have taken the lock back (and bumped the epoch) since. */
     Opened o = {self->next_fh, ino, uid, gid, pid, checked_at};
     int valid = t->ino == ino && t->epoch == self->epoch &&
                 (checked_at > 0.0 || now_monotonic() < t->deadline);
-    if (!valid || queue_opened(self, &o) < 0) {
-        if (PyErr_Occurred())
-            PyErr_WriteUnraisable(NULL);
-        return let_go_state(self) < 0 ? declined_on_error() : 0;
-    }
+    if (!valid || queue_opened(self, &o) < 0)
+        return decline_locked(self);
     self->next_fh++;
     struct {
         uint32_t len;
@@ -264,6 +352,70 @@ static int try_open(Reader *self, const unsigned char *buf, ssize_t n, uint64_t 
     write_reply(self, &reply, sizeof reply);
     self->opens++;
     if (let_go_state(self) < 0) /* not ours after all: nothing to undo */
+        PyErr_WriteUnraisable(NULL);
+    return 1;
+}
+
+/* The reply to ``unique``: ``body`` after a success header. */
+static void write_body(Reader *self, uint64_t unique, const unsigned char *body, size_t len) {
+    unsigned char out[OUT_HEADER + ENTRY_OUT];
+    uint32_t total = (uint32_t)(OUT_HEADER + len);
+    int32_t error = 0;
+    memcpy(out, &total, 4);
+    memcpy(out + 4, &error, 4);
+    memcpy(out + 8, &unique, 8);
+    memcpy(out + OUT_HEADER, body, len);
+    write_reply(self, out, total);
+}
+
+/* A GETATTR of an inode with an attr ticket: 1 answered, 0 Python's to answer. */
+static int try_getattr(Reader *self, uint64_t unique, uint64_t ino) {
+    AttrTicket *t = &self->attrs[ino % TICKETS];
+    if (t->ino != ino || t->epoch != self->epoch)
+        return 0;
+    double checked_at;
+    if (!still_good(self, t->deadline, &t->check, &checked_at) || !lock_state(self))
+        return 0;
+    int valid = t->ino == ino && t->epoch == self->epoch &&
+                (checked_at > 0.0 || now_monotonic() < t->deadline);
+    if (!valid || (checked_at > 0.0 && queue_seen(self, ino, 0, checked_at) < 0))
+        return decline_locked(self);
+    if (checked_at > 0.0)
+        t->deadline = checked_at + t->recheck;
+    write_body(self, unique, t->reply, ATTR_OUT);
+    self->getattrs++;
+    if (let_go_state(self) < 0)
+        PyErr_WriteUnraisable(NULL);
+    return 1;
+}
+
+static size_t entry_slot(uint64_t parent, const char *name, size_t len) {
+    uint64_t h = 1469598103934665603ULL ^ parent; /* FNV-1a over the name */
+    for (size_t i = 0; i < len; i++)
+        h = (h ^ (unsigned char)name[i]) * 1099511628211ULL;
+    return (size_t)(h % TICKETS);
+}
+
+/* A LOOKUP of a name with an entry ticket: 1 answered, 0 Python's to answer. */
+static int try_lookup(Reader *self, const unsigned char *buf, ssize_t n, uint64_t unique,
+                      uint64_t parent) {
+    const char *name = (const char *)buf + IN_HEADER;
+    size_t avail = (size_t)(n - IN_HEADER);
+    size_t len = strnlen(name, avail);
+    if (len == 0 || len == avail || len > NAME_MAX_LEN)
+        return 0;
+    EntryTicket *e = &self->entries[entry_slot(parent, name, len)];
+    if (e->epoch != self->epoch || e->parent != parent || e->name_len != len ||
+        memcmp(e->name, name, len) != 0 || e->check.path == NULL || self->store_fd < 0)
+        return 0;
+    double checked_at = now_monotonic();
+    if (!same_check(self, &e->check) || !lock_state(self))
+        return 0;
+    if (e->epoch != self->epoch || queue_seen(self, e->child, 1, checked_at) < 0)
+        return decline_locked(self);
+    write_body(self, unique, e->reply, ENTRY_OUT);
+    self->lookups++;
+    if (let_go_state(self) < 0)
         PyErr_WriteUnraisable(NULL);
     return 1;
 }
@@ -335,12 +487,17 @@ static PyObject *Reader_serve(Reader *self, PyObject *args) {
                 yield_cpu();
                 continue;
             }
-            if (op == OP_OPEN) {
-                if (try_open(self, b, n, unique, ino, uid, gid, pid)) {
-                    answered++;
-                    yield_cpu();
-                    continue;
-                }
+            int done = 0;
+            if (op == OP_OPEN)
+                done = try_open(self, b, n, unique, ino, uid, gid, pid);
+            else if (op == OP_GETATTR)
+                done = try_getattr(self, unique, ino);
+            else if (op == OP_LOOKUP)
+                done = try_lookup(self, b, n, unique, ino);
+            if (done) {
+                answered++;
+                yield_cpu();
+                continue;
             }
             result = n;
             break;
@@ -363,34 +520,130 @@ static PyObject *Reader_serve(Reader *self, PyObject *args) {
     return PyLong_FromLong(result);
 }
 
+/* ``check``'s path and identity from Python (path None: no check); 0 or -1 (an error). */
+static int set_check(Check *check, const char *path, PyObject *identity, int directory) {
+    int64_t id[6] = {0, 0, 0, 0, 0, 0};
+    if (path != NULL) {
+        if (!PyTuple_Check(identity) || PyTuple_GET_SIZE(identity) < 5 ||
+            PyTuple_GET_SIZE(identity) > 6) {
+            PyErr_SetString(PyExc_TypeError,
+                            "identity: (dev, ino, size, mtime_ns, ctime_ns[, atime_ns])");
+            return -1;
+        }
+        if (directory && PyTuple_GET_SIZE(identity) != 6) {
+            PyErr_SetString(PyExc_TypeError, "a directory's identity includes its atime_ns");
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(identity); i++) {
+            id[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(identity, i));
+            if (id[i] == -1 && PyErr_Occurred())
+                return -1;
+        }
+    }
+    char *copy = NULL;
+    if (path != NULL) {
+        size_t len = strlen(path);
+        copy = PyMem_Malloc(len + 1);
+        if (copy == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        memcpy(copy, path, len + 1);
+    }
+    PyMem_Free(check->path);
+    check->path = copy;
+    memcpy(check->identity, id, sizeof id);
+    check->directory = directory;
+    return 0;
+}
+
+/* ``reply`` must be exactly ``size`` bytes (the session's packing of it). */
+static int copy_reply(unsigned char *into, Py_buffer *reply, size_t size) {
+    if ((size_t)reply->len != size) {
+        PyErr_Format(PyExc_ValueError, "a reply of %zu bytes, not %zd", size, reply->len);
+        return -1;
+    }
+    memcpy(into, reply->buf, size);
+    return 0;
+}
+
 static PyObject *Reader_issue(Reader *self, PyObject *args) {
     unsigned long long ino;
     double deadline, recheck = 0.0;
     unsigned int flags, later;
     const char *manifest = NULL;
-    long long id[5] = {0, 0, 0, 0, 0};
-    if (!PyArg_ParseTuple(args, "KdII|z(LLLLL)d", &ino, &deadline, &flags, &later, &manifest,
-                          &id[0], &id[1], &id[2], &id[3], &id[4], &recheck))
+    PyObject *identity = Py_None;
+    if (!PyArg_ParseTuple(args, "KdII|zOd", &ino, &deadline, &flags, &later, &manifest,
+                          &identity, &recheck))
         return NULL;
-    char *copy = NULL;
-    if (manifest != NULL) {
-        size_t len = strlen(manifest);
-        copy = PyMem_Malloc(len + 1);
-        if (copy == NULL)
-            return PyErr_NoMemory();
-        memcpy(copy, manifest, len + 1);
-    }
     Ticket *t = &self->tickets[ino % TICKETS];
-    PyMem_Free(t->manifest);
-    t->manifest = copy;
-    for (int i = 0; i < 5; i++)
-        t->identity[i] = (int64_t)id[i];
+    t->epoch = 0; /* nothing half-issued stays valid */
+    if (set_check(&t->check, manifest, identity, 0) < 0)
+        return NULL;
     t->recheck = recheck;
     t->ino = ino;
-    t->epoch = self->epoch;
     t->deadline = deadline;
     t->flags = flags;
     t->later = later;
+    t->epoch = self->epoch;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Reader_issue_attr(Reader *self, PyObject *args) {
+    unsigned long long ino;
+    double deadline, recheck;
+    Py_buffer reply;
+    const char *path = NULL;
+    PyObject *identity = Py_None;
+    int directory = 0;
+    if (!PyArg_ParseTuple(args, "Kdy*d|zOp", &ino, &deadline, &reply, &recheck, &path,
+                          &identity, &directory))
+        return NULL;
+    AttrTicket *t = &self->attrs[ino % TICKETS];
+    t->epoch = 0;
+    int failed = copy_reply(t->reply, &reply, ATTR_OUT) < 0 ||
+                 set_check(&t->check, path, identity, directory) < 0;
+    PyBuffer_Release(&reply);
+    if (failed)
+        return NULL;
+    t->ino = ino;
+    t->deadline = deadline;
+    t->recheck = recheck;
+    t->epoch = self->epoch;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Reader_issue_entry(Reader *self, PyObject *args) {
+    unsigned long long parent, child;
+    Py_buffer name, reply;
+    const char *path;
+    PyObject *identity;
+    int directory;
+    if (!PyArg_ParseTuple(args, "Ky*Ky*sOp", &parent, &name, &child, &reply, &path, &identity,
+                          &directory))
+        return NULL;
+    int failed = 0;
+    if (name.len == 0 || name.len > NAME_MAX_LEN || memchr(name.buf, 0, (size_t)name.len)) {
+        PyErr_SetString(PyExc_ValueError, "a name of 1 to 255 bytes, without NUL");
+        failed = 1;
+    }
+    if (!failed) {
+        EntryTicket *e = &self->entries[entry_slot(parent, name.buf, (size_t)name.len)];
+        e->epoch = 0;
+        failed = copy_reply(e->reply, &reply, ENTRY_OUT) < 0 ||
+                 set_check(&e->check, path, identity, directory) < 0;
+        if (!failed) {
+            e->parent = parent;
+            e->child = child;
+            e->name_len = (size_t)name.len;
+            memcpy(e->name, name.buf, (size_t)name.len);
+            e->epoch = self->epoch;
+        }
+    }
+    PyBuffer_Release(&name);
+    PyBuffer_Release(&reply);
+    if (failed)
+        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -409,6 +662,22 @@ static PyObject *Reader_withdraw(Reader *self, PyObject *arg) {
     Ticket *t = &self->tickets[ino % TICKETS];
     if (t->ino == ino)
         t->epoch = 0;
+    AttrTicket *a = &self->attrs[ino % TICKETS];
+    if (a->ino == ino)
+        a->epoch = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Reader_withdraw_entry(Reader *self, PyObject *args) {
+    unsigned long long parent;
+    Py_buffer name;
+    if (!PyArg_ParseTuple(args, "Ky*", &parent, &name))
+        return NULL;
+    EntryTicket *e = &self->entries[entry_slot(parent, name.buf, (size_t)name.len)];
+    if (e->parent == parent && e->name_len == (size_t)name.len &&
+        memcmp(e->name, name.buf, (size_t)name.len) == 0)
+        e->epoch = 0;
+    PyBuffer_Release(&name);
     Py_RETURN_NONE;
 }
 
@@ -436,6 +705,24 @@ static PyObject *Reader_drain(Reader *self, PyObject *Py_UNUSED(ignored)) {
     return out;
 }
 
+static PyObject *Reader_drain_seen(Reader *self, PyObject *Py_UNUSED(ignored)) {
+    PyObject *out = PyList_New(self->n_seen);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < self->n_seen; i++) {
+        const Seen *o = &self->seen[i];
+        PyObject *item = Py_BuildValue("(KOd)", (unsigned long long)o->ino,
+                                       o->lookup ? Py_True : Py_False, o->checked_at);
+        if (item == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, item);
+    }
+    self->n_seen = 0;
+    return out;
+}
+
 static PyObject *Reader_fs_magic(PyObject *Py_UNUSED(cls), PyObject *arg) {
     long fd = PyLong_AsLong(arg);
     if (fd == -1 && PyErr_Occurred())
@@ -447,13 +734,13 @@ static PyObject *Reader_fs_magic(PyObject *Py_UNUSED(cls), PyObject *arg) {
 }
 
 static PyObject *Reader_get_pending(Reader *self, void *Py_UNUSED(closure)) {
-    return PyLong_FromSsize_t(self->n_opened);
+    return PyLong_FromSsize_t(self->n_opened + self->n_seen);
 }
 
 static PyMethodDef Reader_methods[] = {
     {"serve", (PyCFunction)Reader_serve, METH_VARARGS,
      "serve(buf, timeout_ms) -> int: wait (up to timeout_ms, -1: no limit) and read; "
-     "answer IOCTLs and ticketed read-only OPENs; return a request's size (it is in buf), "
+     "answer IOCTLs, ticketed read-only OPENs, GETATTRs and LOOKUPs; return a request's size (it is in buf), "
      "0 (the wait timed out), -1 (woken), -2 (answered, nothing more now), -3 (nothing read)."},
     {"issue", (PyCFunction)Reader_issue, METH_VARARGS,
      "issue(ino, deadline, open_flags, later_flags): a read-only open of ino may be answered "
@@ -462,10 +749,27 @@ static PyMethodDef Reader_methods[] = {
      "root given to checks_in), identity (dev, ino, size, mtime_ns, ctime_ns) and recheck: "
      "past the deadline, an open whose stat of the manifest finds that identity is "
      "answered too, and the ticket lasts recheck seconds from that check."},
+    {"issue_attr", (PyCFunction)Reader_issue_attr, METH_VARARGS,
+     "issue_attr(ino, deadline, reply, recheck[, path, identity, directory]): a GETATTR of "
+     "ino is answered with reply (a fuse_attr_out) until deadline while the epoch holds; "
+     "past it, once a stat of path finds identity (dev, ino, size, mtime_ns, ctime_ns, "
+     "and atime_ns for a directory), and then for recheck seconds more; state lock held."},
+    {"issue_entry", (PyCFunction)Reader_issue_entry, METH_VARARGS,
+     "issue_entry(parent, name, child, reply, path, identity, directory): a LOOKUP of name "
+     "in parent is answered with reply (a fuse_entry_out of child) while the epoch holds, "
+     "each time a stat of path finds identity; state lock held."},
+    {"withdraw_entry", (PyCFunction)Reader_withdraw_entry, METH_VARARGS,
+     "withdraw_entry(parent, name): its entry ticket, if any."},
+    {"drain_seen", (PyCFunction)Reader_drain_seen, METH_NOARGS,
+     "The GETATTRs and LOOKUPs answered since the last drain that the filesystem must "
+     "know of: [(ino, lookup, checked_at)]: lookup True for a LOOKUP (one more kernel "
+     "reference), checked_at the time.monotonic() a check of its own began that found the "
+     "entry the last look found (0.0: none) (state lock held)."},
     {"checks_in", (PyCFunction)Reader_checks_in, METH_O,
      "checks_in(fd): the local store's root directory, for the checks of tickets that "
      "name a manifest (-1: none)."},
-    {"withdraw", (PyCFunction)Reader_withdraw, METH_O, "withdraw(ino): its ticket, if any."},
+    {"withdraw", (PyCFunction)Reader_withdraw, METH_O,
+     "withdraw(ino): its open and attr tickets, if any."},
     {"invalidate", (PyCFunction)Reader_invalidate, METH_NOARGS,
      "Every ticket: the state may change now (state lock held)."},
     {"drain", (PyCFunction)Reader_drain, METH_NOARGS,
@@ -479,15 +783,18 @@ static PyMethodDef Reader_methods[] = {
 static PyMemberDef Reader_members[] = {
     {"opens", T_ULONGLONG, offsetof(Reader, opens), READONLY, "read-only OPENs answered"},
     {"ioctls", T_ULONGLONG, offsetof(Reader, ioctls), READONLY, "IOCTLs answered (ENOTTY)"},
+    {"getattrs", T_ULONGLONG, offsetof(Reader, getattrs), READONLY, "GETATTRs answered"},
+    {"lookups", T_ULONGLONG, offsetof(Reader, lookups), READONLY, "LOOKUPs answered"},
     {"checks", T_ULONGLONG, offsetof(Reader, checks), READONLY,
-     "manifest checks of its own (a stat of the local store)"},
+     "checks of its own (a stat of the local store)"},
     {"write_errors", T_ULONGLONG, offsetof(Reader, write_errors), READONLY,
      "replies the kernel refused (not ENOENT or ENODEV)"},
     {NULL, 0, 0, 0, NULL},
 };
 
 static PyGetSetDef Reader_getset[] = {
-    {"pending", (getter)Reader_get_pending, NULL, "handles given out, not yet drained", NULL},
+    {"pending", (getter)Reader_get_pending, NULL,
+     "handles given out and answers to tell of, not yet drained", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

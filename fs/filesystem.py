@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import itertools
 import logging
 import math
 import os
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -121,6 +122,43 @@ class OpenTicket:
     identity: tuple[int, ...] | None = None
 
 
+@dataclass(slots=True)
+class AttrTicket:
+    """What :meth:`FileSystem.attr_ticket` says of the next GETATTRs of an
+    inode, for the compiled reader: ``attr`` until ``deadline``, and after it
+    once a stat of ``path`` in the store finds ``identity`` (the entry the
+    last look found; ``path`` None: no such check), for ``recheck`` more."""
+
+    attr: Attr
+    deadline: float
+    recheck: float
+    path: str | None
+    identity: tuple[int, ...]
+    directory: bool
+
+
+@dataclass(slots=True)
+class EntryTicket:
+    """What :meth:`FileSystem.entry_ticket` says of the next LOOKUPs of a
+    name: ``attr`` (of inode ``child``) whenever a stat of ``path`` in the
+    store finds ``identity``, the entry the last look found."""
+
+    child: int
+    attr: Attr
+    path: str
+    identity: tuple[int, ...]
+    directory: bool
+
+
+def check_identity(st: os.stat_result, directory: bool) -> tuple[int, ...]:
+    """What a stat must find again for a check of the compiled reader's own:
+    a manifest's identity (the same parsed manifest), a directory's with its
+    atime too (its attributes show it; a change of mode, owner or links
+    changes the ctime)."""
+    found = ParsedManifests.identity(st)
+    return (*found, st.st_atime_ns) if directory else found
+
+
 @dataclass
 class SetAttr:
     mode: int | None = None
@@ -162,6 +200,28 @@ def _plain_reader_case(inode: Inode, f: CachedFile) -> bool:
         and f.role is FileRole.LOCAL
         and f.state is not FileState.LOST
     )
+
+
+def _changes_names(
+    *parents: int,
+) -> Callable[[Callable[..., Awaitable[T]]], Callable[..., Awaitable[T]]]:
+    """For an operation that adds or removes a name in the directories its
+    arguments ``parents`` (positions) name: once it ends, done or not, no
+    getattr of them reuses the last look at their attributes (their mtime
+    and link count moved; the kernel, which dropped its own copy, asks)."""
+
+    def wrap(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+        @functools.wraps(fn)
+        async def wrapper(self: FileSystem, *args: Any, **kwargs: Any) -> T:
+            try:
+                return await fn(self, *args, **kwargs)
+            finally:
+                for i in parents:
+                    self.names_changed_in(args[i])
+
+        return wrapper
+
+    return wrap
 
 
 def kills_privileges(mode: int) -> bool:
@@ -211,6 +271,9 @@ class FileSystem:
         self.opens_waited_for_rename = 0
         self.opens_sent_back = 0
         self._retry: set[CachedFile] = set()  # commits that failed; retried in the background
+        # Set when one is added: an idle daemon's loop then sleeps until
+        # something happens (each turn lapses the compiled reader's tickets).
+        self._retry_wanted = trio.Event()
         # Plain files being adopted (by inode): a second open or a setattr of
         # one waits for the adoption, then acts on the adopted file.
         self._adopting: dict[int, trio.Event] = {}
@@ -376,6 +439,12 @@ class FileSystem:
             raise FsError(errno.ENOENT) from None
         return self._getattr_with(inode, entry, now)
 
+    def names_changed_in(self, parent: int) -> None:
+        """A name was added to or removed from directory ``parent`` here."""
+        inode = self.inodes.get(parent)
+        if inode is not None:
+            inode.dir_attrs_at = 0.0
+
     def _inode(self, ino: int) -> Inode:
         inode = self.inodes.get(ino)
         if inode is None:
@@ -428,6 +497,7 @@ class FileSystem:
     def releasedir(self, fh: int) -> None:
         self.dir_handles.pop(fh, None)
 
+    @_changes_names(0)
     async def mkdir(self, parent: int, name: str, mode: int, caller: Caller) -> Attr:
         path = self.inodes.child_path(parent, name)
         uid, gid, setgid = await self._new_owner(parent, caller)
@@ -440,6 +510,7 @@ class FileSystem:
             await self.backing.chmod(path, mode)
         return await self.lookup(parent, name)
 
+    @_changes_names(0)
     async def rmdir(self, parent: int, name: str) -> None:
         path = self.inodes.child_path(parent, name)
         entry = await self._entry(path)
@@ -448,6 +519,7 @@ class FileSystem:
         await self.backing.rmdir(path)
         self.inodes.detach(parent, name)
 
+    @_changes_names(0)
     async def symlink(self, parent: int, name: str, target: bytes, caller: Caller) -> Attr:
         path = self.inodes.child_path(parent, name)
         uid, gid, _ = await self._new_owner(parent, caller)
@@ -459,6 +531,7 @@ class FileSystem:
         return await self.backing.readlink(self.inodes.path(ino))
 
     # ----- names ------------------------------------------------------------
+    @_changes_names(0)
     async def unlink(self, parent: int, name: str) -> None:
         path = self.inodes.child_path(parent, name)
         async with self.ns_lock.exclusive():
@@ -495,6 +568,7 @@ class FileSystem:
             self._retry.discard(f)
             self.cache.unlink(f)
 
+    @_changes_names(0, 2)
     async def rename(self, p_old: int, old: str, p_new: int, new: str, flags: int) -> None:
         if flags & ~getattr(os, "RENAME_NOREPLACE", 1):
             raise FsError(errno.EINVAL, "only RENAME_NOREPLACE is supported")
@@ -690,6 +764,7 @@ class FileSystem:
             f.writers += writable
         return fh
 
+    @_changes_names(0)
     async def create(
         self, parent: int, name: str, mode: int, flags: int, caller: Caller, *, direct: bool = False
     ) -> tuple[int, Attr]:
@@ -835,6 +910,89 @@ class FileSystem:
             ticket.identity = ParsedManifests.identity(seen.st)
         return ticket
 
+    def attr_ticket(self, ino: int) -> AttrTicket | None:
+        """What :meth:`getattr_now` answers for ``ino`` until the last look's
+        reuse runs out (fuse.open_recheck for a file, DIR_ATTR_REUSE for a
+        directory), which is also what :meth:`getattr_checked` answers after
+        a look that finds the same entry; None for anything else (a file
+        being written here, a symlink, a name never looked at). Issued to the
+        compiled reader after the request thread's answers, like open tickets."""
+        inode = self.inodes.get(ino)
+        if inode is None or inode.unlinked:
+            return None
+        if inode.kind == "dir":
+            seen, directory = inode.dir_attrs, True
+            if seen is None:
+                return None
+            deadline, recheck = inode.dir_attrs_at + DIR_ATTR_REUSE, DIR_ATTR_REUSE
+        else:
+            f = inode.file
+            if inode.kind != "file" or f is None or not _plain_reader_case(inode, f):
+                return None
+            seen, directory = self._last_check(inode, f), False
+            if seen is None:
+                return None
+            deadline, recheck = (
+                inode.checked_at + self.config.open_recheck,
+                self.config.open_recheck,
+            )
+        path = (self.inodes.path(ino) or ".") if self.backing.io.health == "normal" else None
+        return AttrTicket(
+            self._attr(inode, seen),
+            deadline,
+            recheck,
+            path,
+            check_identity(seen.st, directory),
+            directory,
+        )
+
+    def entry_ticket(self, parent: int, name: str) -> EntryTicket | None:
+        """What :meth:`lookup_checked` answers for ``name`` in ``parent`` after
+        a look that finds the entry the last one found: a directory, or a
+        file only a manifest check may change, at the version we hold; None
+        for anything else, and while a rename is in flight or the store is
+        unhealthy (a lookup is a look at the store each time)."""
+        if self.backing.io.health != "normal" or self.ns_lock.any_replacing():
+            return None
+        inode = self.inodes.child(parent, name)
+        if inode is None or inode.unlinked:
+            return None
+        if inode.kind == "dir":
+            seen, directory = inode.dir_attrs, True
+        else:
+            f = inode.file
+            if (
+                inode.kind != "file"
+                or f is None
+                or not _plain_reader_case(inode, f)
+                or self.cache.files.get(f.file_id) is not f
+            ):
+                return None
+            seen, directory = self._last_check(inode, f), False
+        if seen is None:
+            return None
+        return EntryTicket(
+            inode.ino,
+            self._attr(inode, seen),
+            self.inodes.child_path(parent, name),
+            check_identity(seen.st, directory),
+            directory,
+        )
+
+    def adopt_seen(self, ino: int, lookup: bool, checked_at: float) -> None:
+        """A LOOKUP or GETATTR of ``ino`` that the compiled reader answered
+        from a ticket: a LOOKUP is one more reference of the kernel's, as
+        :meth:`lookup` counts; ``checked_at`` (if not 0) is when a look of
+        the reader's own began that found the entry the last look found (a
+        file's manifest, a directory's attributes): as if ours found it then."""
+        inode = self._inode(ino)
+        if lookup:
+            inode.nlookup += 1
+        if inode.kind == "dir" and checked_at > inode.dir_attrs_at:
+            inode.dir_attrs_at = checked_at
+        elif inode.kind == "file" and checked_at > inode.checked_at:
+            inode.checked_at = checked_at
+
     def adopt_open(self, fh: int, ino: int, caller: Caller, checked_at: float = 0.0) -> None:
         """A read-only handle ``fh`` that the compiled reader gave out for an
         open ticket of ``ino``: what :meth:`open_now` would have made (or,
@@ -944,6 +1102,8 @@ class FileSystem:
             return None
         bound = self._bind(parent, name, entry)  # the same inode: same ident and kind
         bound.nlookup += 1
+        if bound.kind == "dir":  # what a getattr of it may reuse (and an entry ticket tells)
+            bound.dir_attrs, bound.dir_attrs_at = entry, entry.read_at
         return self._attr(bound, entry)
 
     def _still_checked(self, check: CheckPlan, entry: Entry) -> bool:
@@ -1467,6 +1627,7 @@ class FileSystem:
             self.cache.publish_failed(snap, name_gone=False)
             if f.state is FileState.MODIFIED and not f.writers:
                 self._retry.add(f)  # nobody else will commit it
+                self._retry_wanted.set()
             raise
         if result is not Published.DONE:
             self.cache.publish_failed(snap, name_gone=True)
@@ -1483,6 +1644,9 @@ class FileSystem:
         """Background task: commit again files whose commit failed (backing store
         errors), since no writer is left to do it."""
         while True:
+            if not self._retry:
+                await self._retry_wanted.wait()
+                self._retry_wanted = trio.Event()
             await trio.sleep(RETRY_INTERVAL)
             for f in list(self._retry):
                 if f.state is not FileState.MODIFIED or f.writers:

@@ -170,6 +170,7 @@ class _LoopHoldsState(trio.abc.Instrument):
         # The compiled reader, if it runs, and who adopts the handles it gave out.
         self.fast: Any = None
         self.adopt: Callable[[list[tuple[int, int, int, int, int, float]]], None] | None = None
+        self.adopt_seen: Callable[[list[tuple[int, bool, float]]], None] | None = None
 
     def before_io_wait(self, timeout: float) -> None:
         self.lock.release()
@@ -204,12 +205,14 @@ class _LoopHoldsState(trio.abc.Instrument):
     def _adopt_pending(self) -> None:
         if not self.fast.pending:
             return
+        seen = self.fast.drain_seen()
         opened = self.fast.drain()
         try:
-            assert self.adopt is not None
+            assert self.adopt_seen is not None and self.adopt is not None
+            self.adopt_seen(seen)
             self.adopt(opened)
         except Exception:  # a bug; raised here, it would remove this instrument
-            log.exception("adopting the compiled reader's handles %r failed", opened)
+            log.exception("adopting the compiled reader's answers %r, %r failed", seen, opened)
 
 
 class FuseError(Exception):
@@ -249,11 +252,14 @@ class Handlers:
     # Off-loop paths tried when the op's off-loop fast path declined.
     off_loop_checked: dict[int, CheckedPath] = field(default_factory=dict)
     writeback_cache: bool = False
-    # The compiled reader's (fs/_fastreader.c): given its open tickets once it
-    # runs (issued by the off-loop paths, state lock held), and adopting the
-    # handles of the read-only opens it answered: [(fh, ino, uid, gid, pid)].
+    # The compiled reader's (fs/_fastreader.c): given its tickets once it runs
+    # (issued after the thread's answers, state lock held), adopting the
+    # handles of the read-only opens it answered: [(fh, ino, uid, gid, pid,
+    # checked_at)], and what its LOOKUPs and GETATTRs leave the filesystem to
+    # know: [(ino, lookup, checked_at)].
     use_tickets: Callable[[Any], None] | None = None
     adopt_opens: Callable[[list[tuple[int, int, int, int, int, float]]], None] | None = None
+    adopt_seen: Callable[[list[tuple[int, bool, float]]], None] | None = None
     # Told when the compiled reader answered requests (from the request thread).
     compiled_answers: Callable[[], None] | None = None
     # After each answer of the request thread, its reply written, the state lock held.
@@ -405,13 +411,18 @@ class Session:
     def _start_compiled(self, thread: RequestThread) -> None:
         """The compiled reader for ``thread``, with the filesystem's hooks."""
         handlers = self.handlers
-        if handlers.adopt_opens is None or handlers.use_tickets is None:
+        if (
+            handlers.adopt_opens is None
+            or handlers.adopt_seen is None
+            or handlers.use_tickets is None
+        ):
             return  # a dispatch table without them: the Python reader
         self.fast_reader = _fastreader.Reader(
             self.fd, thread.wake_fd, self._state_lock, self._holds_state
         )
         self._holds_state.fast = self.fast_reader
         self._holds_state.adopt = handlers.adopt_opens
+        self._holds_state.adopt_seen = handlers.adopt_seen
         handlers.use_tickets(self.fast_reader)
 
     async def _end_thread(self) -> None:
@@ -1181,8 +1192,9 @@ class RequestThread:
                     self._go.clear()
                     session.give_to_loop(Handed.GONE)
                     return
-            if fast.opens + fast.ioctls != answers:
-                answers = fast.opens + fast.ioctls
+            done = fast.opens + fast.ioctls + fast.getattrs + fast.lookups
+            if done != answers:
+                answers = done
                 if burst is not None:
                     burst.answered()
                 if told is not None:
@@ -1263,14 +1275,19 @@ def describe(session: Session | None) -> dict[str, Any]:
         return {}
     c = session.counters
     fast = session.fast_reader
-    opens, ioctls = (fast.opens, fast.ioctls) if fast is not None else (0, 0)
+    opens, ioctls, getattrs, lookups = (
+        (fast.opens, fast.ioctls, fast.getattrs, fast.lookups) if fast is not None else (0, 0, 0, 0)
+    )
+    compiled = opens + getattrs + lookups
     return {
         "requests": {
-            "fast": c.fast + c.thread + opens,
-            "thread": c.thread + opens,
+            "fast": c.fast + c.thread + compiled,
+            "thread": c.thread + compiled,
             # By the compiled reader (fs/_fastreader.c): counted in fast and
-            # thread (the opens) and in stateless (the IOCTLs).
+            # thread (opens, getattrs, lookups) and in stateless (the IOCTLs).
             "compiled_opens": opens,
+            "compiled_getattrs": getattrs,
+            "compiled_lookups": lookups,
             "compiled_ioctls": ioctls,
             "compiled_checks": fast.checks if fast is not None else 0,
             "compiled_write_errors": fast.write_errors if fast is not None else 0,

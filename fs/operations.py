@@ -197,10 +197,12 @@ class Operations:
         self.cpu_latency = cpu_latency or CpuLatencyHold(0)
         self.writeback_cache = writeback_cache
         self.direct_writes = direct_writes
-        # The compiled reader's open tickets (fs/_fastreader.c), once it runs,
-        # and the inode the request thread's last answer was about.
+        # The compiled reader's tickets (fs/_fastreader.c), once it runs, and
+        # what the request thread's last answer was about: an inode, a name.
         self.tickets: Any = None
         self._ticket_for = 0
+        self._entry_for: tuple[int, str] | None = None
+        self._own_checks = False  # the reader's checks: a local store only
 
     def handlers(self) -> Handlers:
         """The session's dispatch table."""
@@ -260,18 +262,20 @@ class Operations:
             writeback_cache=self.writeback_cache,
             use_tickets=self.use_tickets,
             adopt_opens=self.adopt_opens,
+            adopt_seen=self.adopt_seen,
             compiled_answers=self.compiled_answers,
             after_thread_answer=self.issue_ticket,
         )
 
-    # ----- the compiled reader's open tickets ---------------------------------------------
+    # ----- the compiled reader's tickets ----------------------------------------------------
     def use_tickets(self, tickets: Any) -> None:
         self.tickets = tickets
         # A stat of a local store cannot hang as an NFS server's can, so the
         # reader may make an open's due check itself, outside the store-call
         # watch that bounds the thread's Python reads (fs/storecall.py).
         root = self.fs.backing.root_fd
-        if type(tickets).fs_magic(root) in LOCAL_FILESYSTEMS:
+        self._own_checks = type(tickets).fs_magic(root) in LOCAL_FILESYSTEMS
+        if self._own_checks:
             tickets.checks_in(root)
 
     def _ticket_wanted(self, ino: int) -> None:
@@ -280,17 +284,31 @@ class Operations:
 
     def issue_ticket(self) -> None:
         """After the request thread's answer, its reply written and the state
-        lock still held: a ticket for the next read-only open of the inode it
-        was about, or none (FileSystem.open_ticket). Only the thread issues,
-        while the loop waits: the loop's next turn lapses every ticket."""
+        lock still held: tickets for the next read-only open and GETATTRs of
+        the inode it was about, and for the next LOOKUPs of the name it
+        looked up, or none (FileSystem.open_ticket, attr_ticket,
+        entry_ticket). Only the thread issues, while the loop waits: the
+        loop's next turn lapses every ticket."""
         ino, self._ticket_for = self._ticket_for, 0
-        if not ino or self.tickets is None:
+        named, self._entry_for = self._entry_for, None
+        if self.tickets is None:
             return
-        try:
-            ticket = self.fs.open_ticket(ino)
-        except BaseException:
-            self.tickets.withdraw(ino)  # the answer may have changed the inode
-            raise
+        if ino:
+            try:
+                self._issue_open(ino)
+                self._issue_attr(ino)
+            except BaseException:
+                self.tickets.withdraw(ino)  # the answer may have changed the inode
+                raise
+        if named is not None:
+            try:
+                self._issue_entry(*named)
+            except BaseException:
+                self.tickets.withdraw_entry(named[0], os.fsencode(named[1]))
+                raise
+
+    def _issue_open(self, ino: int) -> None:
+        ticket = self.fs.open_ticket(ino)
         if ticket is None:
             self.tickets.withdraw(ino)
             return
@@ -310,6 +328,41 @@ class Operations:
             recheck,
         )
 
+    def _issue_attr(self, ino: int) -> None:
+        """(After _issue_open: a withdrawal takes both.)"""
+        ticket = self.fs.attr_ticket(ino)
+        if ticket is None:
+            return
+        reply = attributes(ticket.attr)
+        if ticket.path is None or not ticket.recheck:  # fuse.open_recheck 0: Python checks
+            self.tickets.issue_attr(ino, ticket.deadline, reply, ticket.recheck)
+            return
+        self.tickets.issue_attr(
+            ino,
+            ticket.deadline,
+            reply,
+            ticket.recheck,
+            ticket.path,
+            ticket.identity,
+            ticket.directory,
+        )
+
+    def _issue_entry(self, parent: int, name: str) -> None:
+        raw = os.fsencode(name)
+        ticket = self.fs.entry_ticket(parent, name) if self._own_checks else None
+        if ticket is None:
+            self.tickets.withdraw_entry(parent, raw)
+            return
+        self.tickets.issue_entry(
+            parent,
+            raw,
+            ticket.child,
+            entry(ticket.attr),
+            ticket.path,
+            ticket.identity,
+            ticket.directory,
+        )
+
     def adopt_opens(self, opened: list[tuple[int, int, int, int, int, float]]) -> None:
         """The handles the compiled reader gave out, each for a ticket's open."""
         for fh, ino, uid, gid, pid, checked_at in opened:
@@ -317,6 +370,15 @@ class Operations:
                 self.fs.adopt_open(fh, ino, Caller(uid, gid, pid), checked_at)
             except Exception:  # a bug: this handle's reads fail; the others stand
                 log.exception("inode %d: adopting the compiled reader's handle %d failed", ino, fh)
+
+    def adopt_seen(self, seen: list[tuple[int, bool, float]]) -> None:
+        """The LOOKUPs and GETATTRs the compiled reader answered that the
+        filesystem must know of (a kernel reference, a check of its own)."""
+        for ino, lookup, checked_at in seen:
+            try:
+                self.fs.adopt_seen(ino, lookup, checked_at)
+            except Exception:  # a bug: this inode's count is off; the others stand
+                log.exception("inode %d: adopting the compiled reader's answer failed", ino)
 
     def compiled_answers(self) -> None:
         """The compiled reader answered requests (its answers pass no handler)."""
@@ -347,10 +409,12 @@ class Operations:
 
     @finishing("lookup")
     def lookup_checked(self, req: Request, check: CheckPlan, found: Entry) -> Reply | None:
-        attr = self.fs.lookup_checked(req.nodeid, _one_name(req), check, found)
+        name = _one_name(req)
+        attr = self.fs.lookup_checked(req.nodeid, name, check, found)
         if attr is None:
             return None
         self._ticket_wanted(attr.ino)
+        self._entry_for = (req.nodeid, name)
         return entry(attr)
 
     @handler

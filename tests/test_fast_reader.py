@@ -15,6 +15,7 @@ import gc
 import os
 import random
 import socket
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from typing import Any
 import pytest
 from ckptfs.fs import _fastreader, fusesession
 from ckptfs.fs import fuseabi as abi
+from ckptfs.fs.filesystem import DIR_ATTR_REUSE, Attr, check_identity
 from ckptfs.fs.fuseabi import Op
 from ckptfs.fs.inodes import ROOT
 from ckptfs.fs.manifest import ParsedManifests
@@ -282,11 +284,175 @@ def test_a_reply_the_kernel_refuses_is_counted_not_raised(rig: Rig) -> None:
     assert rig.reader.write_errors == 1
 
 
-def _holds(rig: Rig, adopted: list[Any]) -> Any:
+# ----- GETATTR and LOOKUP from attr and entry tickets ----------------------------------------
+
+
+def _attr(ino: int, mode: int = stat.S_IFREG | 0o644, size: int = 1000) -> Attr:
+    return Attr(ino, mode, size, 1, 1000, 1000, 11, 22, 33, 4096)
+
+
+def _dir_identity(path: Path) -> tuple[int, ...]:
+    return check_identity(os.stat(path), directory=True)
+
+
+def _file_identity(path: Path) -> tuple[int, ...]:
+    return check_identity(os.stat(path), directory=False)
+
+
+@pytest.fixture
+def store(rig: Rig, tmp_path: Path) -> Iterator[Path]:
+    """A local store with a directory and a manifest, for the reader's checks."""
+    root = tmp_path / "store"
+    (root / "run").mkdir(parents=True)
+    (root / "run" / "a.pt").write_bytes(b"manifest one")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    rig.reader.checks_in(fd)
+    yield root
+    os.close(fd)
+
+
+def _answered(rig: Rig, unique: int, body: bytes) -> None:
+    assert rig.replies() == [abi.OUT_HEADER.pack(16 + len(body), 0, unique) + body]
+
+
+def getattr_request(unique: int, ino: int) -> bytes:
+    return request(Op.GETATTR, unique, ino, b"\0" * 16)  # fuse_getattr_in: flags, fh
+
+
+def lookup_request(unique: int, parent: int, name: bytes) -> bytes:
+    return request(Op.LOOKUP, unique, parent, name + b"\0")
+
+
+def test_a_getattr_is_answered_from_its_ticket_until_the_deadline(rig: Rig) -> None:
+    r = rig.reader
+    reply = abi.attr_out(_attr(5), 1.0)
+    r.issue_attr(5, time.monotonic() + 60, reply, 0.5)
+    rig.send(getattr_request(81, 5), getattr_request(82, 5))
+    assert r.serve(BUF, 1000) == _fastreader.ANSWERED
+    assert rig.replies() == [abi.OUT_HEADER.pack(16 + len(reply), 0, u) + reply for u in (81, 82)]
+    # No check made, no kernel reference taken: nothing for the filesystem.
+    assert (r.getattrs, r.checks, r.pending, r.drain_seen()) == (2, 0, 0, [])
+
+
+def test_past_its_deadline_a_getattr_is_answered_after_a_stat_that_finds_the_same(
+    rig: Rig, store: Path
+) -> None:
+    """A directory's attributes: the same identity, atime included; then
+    the ticket lasts recheck from that check, and the filesystem learns of it."""
+    r = rig.reader
+    reply = abi.attr_out(_attr(3, stat.S_IFDIR | 0o755), 1.0)
+    r.issue_attr(3, time.monotonic() - 1, reply, 60.0, "run", _dir_identity(store / "run"), True)
+    before = time.monotonic()
+    rig.send(getattr_request(83, 3), getattr_request(84, 3))
+    assert r.serve(BUF, 1000) == _fastreader.ANSWERED
+    assert len(rig.replies()) == 2 and r.checks == 1  # the second within the recheck
+    ((ino, lookup, checked_at),) = r.drain_seen()
+    assert (ino, lookup) == (3, False) and checked_at >= before
+    # Its atime moved (a readdir in the store): its attributes did too.
+    st = os.stat(store / "run")
+    os.utime(store / "run", ns=(st.st_atime_ns + 10**9, st.st_mtime_ns))
+    r.issue_attr(3, time.monotonic() - 1, reply, 60.0, "run", check_identity(st, True), True)
+    req = getattr_request(85, 3)
+    rig.send(req)
+    assert r.serve(BUF, 1000) == len(req) and rig.replies() == []
+    # A file's ticket where a directory is now (or the reverse): Python's.
+    r.issue_attr(3, time.monotonic() - 1, reply, 60.0, "run", _dir_identity(store / "run"), False)
+    rig.send(req)
+    assert r.serve(BUF, 1000) == len(req)
+    # Without a path to check, past the deadline: Python's.
+    r.issue_attr(3, time.monotonic() - 1, reply, 60.0)
+    rig.send(req)
+    assert r.serve(BUF, 1000) == len(req) and rig.replies() == [] and r.drain_seen() == []
+
+
+def test_a_lookup_is_answered_from_its_entry_ticket_after_a_stat_that_finds_the_same(
+    rig: Rig, store: Path
+) -> None:
+    r = rig.reader
+    reply = abi.entry_out(_attr(7), 1.0)
+    identity = _file_identity(store / "run" / "a.pt")
+    r.issue_entry(3, b"a.pt", 7, reply, "run/a.pt", identity, False)
+    before = time.monotonic()
+    rig.send(lookup_request(91, 3, b"a.pt"), lookup_request(92, 3, b"a.pt"))
+    assert r.serve(BUF, 1000) == _fastreader.ANSWERED
+    assert rig.replies() == [abi.OUT_HEADER.pack(16 + len(reply), 0, u) + reply for u in (91, 92)]
+    assert (r.lookups, r.checks) == (2, 2)  # a lookup looks at the store each time
+    seen = r.drain_seen()
+    assert [(ino, lookup) for ino, lookup, _ in seen] == [(7, True), (7, True)]
+    assert all(at >= before for _, _, at in seen)
+    # Another name, another parent, a name in the same slot: Python's.
+    for req in (
+        lookup_request(93, 3, b"b.pt"),
+        lookup_request(94, 4, b"a.pt"),
+        lookup_request(95, 3, b"a.pt.tmp"),
+    ):
+        rig.send(req)
+        assert r.serve(BUF, 1000) == len(req) and bytes(BUF[: len(req)]) == req
+    # Replaced in the store (another node's new version): Python's check says.
+    (store / "run" / "a.tmp").write_bytes(b"manifest two")
+    os.replace(store / "run" / "a.tmp", store / "run" / "a.pt")
+    req = lookup_request(96, 3, b"a.pt")
+    rig.send(req)
+    assert r.serve(BUF, 1000) == len(req)
+    assert rig.replies() == [] and r.drain_seen() == [] and r.lookups == 2
+
+
+@pytest.mark.parametrize("how", ["lapsed", "withdrawn", "state taken", "loop waits", "no store"])
+def test_a_lookup_or_getattr_no_ticket_covers_is_pythons(
+    rig: Rig, tmp_path: Path, how: str
+) -> None:
+    r = rig.reader
+    (tmp_path / "a.pt").write_bytes(b"m")
+    root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if how != "no store":
+            r.checks_in(root)
+        identity = _file_identity(tmp_path / "a.pt")
+        r.issue_entry(ROOT, b"a.pt", 7, abi.entry_out(_attr(7), 1.0), "a.pt", identity, False)
+        r.issue_attr(7, time.monotonic() - 1, abi.attr_out(_attr(7), 1.0), 9.0, "a.pt", identity)
+        if how == "lapsed":
+            r.invalidate()
+        elif how == "withdrawn":
+            r.withdraw_entry(ROOT, b"a.pt")
+            r.withdraw(7)
+        elif how == "state taken":
+            rig.lock.acquire()
+        elif how == "loop waits":
+            rig.holds.loop_waits = True
+        for req in (lookup_request(97, ROOT, b"a.pt"), getattr_request(98, 7)):
+            rig.send(req)
+            assert r.serve(BUF, 1000) == len(req) and bytes(BUF[: len(req)]) == req
+        assert rig.replies() == [] and r.pending == 0
+        assert (r.lookups, r.getattrs) == (0, 0)
+    finally:
+        os.close(root)
+
+
+def test_tickets_it_cannot_keep_are_refused(rig: Rig) -> None:
+    r = rig.reader
+    reply = abi.entry_out(_attr(7), 1.0)
+    with pytest.raises(ValueError):
+        r.issue_entry(1, b"a\0b", 7, reply, "a", (1, 2, 3, 4, 5), False)
+    with pytest.raises(ValueError):
+        r.issue_entry(1, b"x" * 256, 7, reply, "a", (1, 2, 3, 4, 5), False)
+    with pytest.raises(ValueError):
+        r.issue_entry(1, b"a.pt", 7, reply[:-1], "a.pt", (1, 2, 3, 4, 5), False)
+    with pytest.raises(ValueError):
+        r.issue_attr(7, 0.0, reply, 1.0)  # an entry's reply is no attr reply
+    with pytest.raises(TypeError):
+        r.issue_attr(7, 0.0, abi.attr_out(_attr(7), 1.0), 1.0, "d", (1, 2, 3, 4, 5), True)
+    # Nothing half-issued answers.
+    req = lookup_request(99, 1, b"a.pt")
+    rig.send(req)
+    assert r.serve(BUF, 1000) == len(req)
+
+
+def _holds(rig: Rig, adopted: list[Any], seen: list[Any] | None = None) -> Any:
     """The session's lock protocol (fusesession._LoopHoldsState) over the
     rig's reader, as Session._start_compiled wires it; the loop holds the lock."""
     holds = fusesession._LoopHoldsState(rig.lock)
     holds.adopt = adopted.extend
+    holds.adopt_seen = (seen if seen is not None else []).extend
     rig.reader = _fastreader.Reader(rig.daemon.fileno(), rig.wake_r, rig.lock, holds)
     holds.fast = rig.reader
     rig.lock.acquire()
@@ -324,6 +490,43 @@ def test_the_threads_python_adopts_before_it_reads_any_state(rig: Rig) -> None:
     rig.send(open_request(63, 5))
     assert rig.reader.serve(BUF, 1000) == _fastreader.ANSWERED
     holds.after_io_wait(0)
+
+
+def test_lookups_and_checks_answered_in_c_are_adopted_before_any_state_is_read(
+    rig: Rig, tmp_path: Path
+) -> None:
+    """A LOOKUP answered by the reader is a kernel reference the filesystem
+    must count before a FORGET of it can be handled: whoever takes the lock
+    next (the loop's turn, the thread's Python) adopts it first."""
+    adopted: list[Any] = []
+    seen: list[Any] = []
+    holds = _holds(rig, adopted, seen)
+    (tmp_path / "a.pt").write_bytes(b"m")
+    root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        rig.reader.checks_in(root)
+        holds.before_io_wait(0)
+        identity = _file_identity(tmp_path / "a.pt")
+        rig.reader.issue_entry(
+            ROOT, b"a.pt", 7, abi.entry_out(_attr(7), 1.0), "a.pt", identity, False
+        )
+        rig.send(lookup_request(101, ROOT, b"a.pt"))
+        assert rig.reader.serve(BUF, 1000) == _fastreader.ANSWERED
+        assert holds.try_take()  # the thread's Python
+        assert [(ino, lookup) for ino, lookup, _ in seen] == [(7, True)]
+        rig.lock.release()
+        rig.send(lookup_request(102, ROOT, b"a.pt"))  # its tickets stay for the thread
+        assert rig.reader.serve(BUF, 1000) == _fastreader.ANSWERED
+        holds.after_io_wait(0)  # the loop's turn: adopts, then lapses every ticket
+        assert [(ino, lookup) for ino, lookup, _ in seen] == [(7, True), (7, True)]
+        holds.before_io_wait(0)
+        req = lookup_request(103, ROOT, b"a.pt")
+        rig.send(req)
+        assert rig.reader.serve(BUF, 1000) == len(req)
+        holds.after_io_wait(0)
+        assert rig.replies() and rig.reader.pending == 0 and adopted == []
+    finally:
+        os.close(root)
 
 
 # ----- the tickets the filesystem issues -------------------------------------------------------
@@ -414,6 +617,97 @@ def test_an_adopted_handle_is_what_open_now_makes(h: Harness) -> None:
     assert handles[adopted] == want_handles[fh_now]
     assert inline(h, fs.release_now, adopted) is True
     assert tables(h) == before
+
+
+def test_an_attr_ticket_says_what_getattr_now_answers(h: Harness, monkeypatch: Any) -> None:
+    fs = h.core.fs
+    ino, fh = opened(h, "f.pt")
+    close(h, fh)
+    ticket = inline(h, fs.attr_ticket, ino)
+    assert ticket.attr == inline(h, fs.getattr_now, ino)
+    assert ticket.deadline == fs.inodes[ino].checked_at + fs.config.open_recheck
+    assert (ticket.path, ticket.directory, ticket.recheck) == (
+        "f.pt",
+        False,
+        fs.config.open_recheck,
+    )
+    assert ticket.identity == ParsedManifests.identity(os.stat(h.backing / "f.pt"))
+    # The root directory, after a getattr that read its attributes.
+    h.call(fs.getattr, ROOT)
+    root = inline(h, fs.attr_ticket, ROOT)
+    assert root.attr == inline(h, fs.getattr_now, ROOT)
+    assert (root.path, root.directory) == (".", True)
+    assert root.identity == check_identity(os.stat(h.backing), directory=True)
+    assert root.deadline == fs.inodes[ROOT].dir_attrs_at + DIR_ATTR_REUSE
+    # A name added or removed here moves them: neither reuses that look.
+    h.call(fs.mkdir, ROOT, "new", 0o755, CALLER)
+    assert inline(h, fs.getattr_now, ROOT) is None
+    assert inline(h, fs.attr_ticket, ROOT).deadline < time.monotonic()
+    # After a check finding the same entry, getattr answers the same.
+    time.sleep(max(0.0, ticket.deadline - time.monotonic()) + 0.01)
+    assert inline(h, fs.getattr_now, ino) is None
+    assert h.call(fs.getattr, ino) == ticket.attr
+    # None where getattr's answer is not the last look's: being written
+    # here, an unknown inode.
+    fh_w, attr = h.call(fs.create, ROOT, "w.pt", 0o644, os.O_WRONLY | os.O_CREAT, CALLER)
+    assert inline(h, fs.attr_ticket, attr.ino) is None
+    close(h, fh_w)
+    assert inline(h, fs.attr_ticket, 999_999) is None
+
+
+def test_an_entry_ticket_says_what_a_checked_lookup_answers(h: Harness) -> None:
+    fs = h.core.fs
+    ino, fh = opened(h, "g.pt")
+    close(h, fh)
+    h.call(fs.mkdir, ROOT, "run", 0o755, CALLER)
+
+    def checked_lookup(name: str) -> Any:
+        plan = inline(h, fs.lookup_check_wanted, ROOT, name)
+        return inline(h, fs.lookup_checked, ROOT, name, plan, fs.backing.entry_here(plan.path))
+
+    for name, directory in (("g.pt", False), ("run", True)):
+        answer = checked_lookup(name)
+        ticket = inline(h, fs.entry_ticket, ROOT, name)
+        assert (ticket.child, ticket.attr) == (answer.ino, answer)
+        assert (ticket.path, ticket.directory) == (name, directory)
+        assert ticket.identity == check_identity(os.stat(h.backing / name), directory)
+        assert checked_lookup(name) == ticket.attr  # the same entry found again
+    with fs.ns_lock.replacing("/elsewhere.pt"):  # a rename in flight: no ticket
+        assert inline(h, fs.entry_ticket, ROOT, "g.pt") is None
+    assert inline(h, fs.entry_ticket, ROOT, "nothing.pt") is None
+    # Another node's new version: the look that finds it issues none for ours.
+    rewrite_elsewhere(h, "g.pt", random.randbytes(1000))
+    assert checked_lookup("g.pt") is None
+
+
+def test_what_the_reader_answered_is_adopted_as_the_filesystem_would_count_it(
+    h: Harness,
+) -> None:
+    fs = h.core.fs
+    ino, fh = opened(h, "i.pt")
+    close(h, fh)
+    h.call(fs.mkdir, ROOT, "sub", 0o755, CALLER)
+    sub = h.call(fs.lookup, ROOT, "sub").ino
+    inode, d = fs.inodes[ino], fs.inodes[sub]
+    lookups, checked_at, dir_at, dir_lookups = (
+        inode.nlookup,
+        inode.checked_at,
+        d.dir_attrs_at,
+        d.nlookup,
+    )
+    later = time.monotonic() + 5
+    inline(h, fs.adopt_seen, ino, True, later)
+    inline(h, fs.adopt_seen, sub, False, later)
+    assert (inode.nlookup, inode.checked_at) == (lookups + 1, later)
+    assert (d.dir_attrs_at, d.nlookup) == (later, dir_lookups)  # a GETATTR takes no reference
+    inline(h, fs.adopt_seen, ino, True, 0.0)  # no check: only the reference
+    assert (inode.nlookup, inode.checked_at) == (lookups + 2, later)
+    assert checked_at < later and dir_at < later
+    # The kernel's FORGETs of those references: the inode lives until the last.
+    inline(h, fs.forget, ino, lookups + 1)
+    assert fs.inodes.get(ino) is inode
+    inline(h, fs.forget, ino, 1)
+    assert fs.inodes.get(ino) is None
 
 
 # ----- on real mounts -----------------------------------------------------------------------------
@@ -585,6 +879,86 @@ def test_loads_spaced_past_the_recheck_are_checked_by_the_reader(mounts: Any) ->
     time.sleep(0.1)  # past a's recheck of its last look
     got = torch.load(paths[1], mmap=True, weights_only=True)
     assert torch.equal(got["w"], new["w"])
+
+
+ENTRY_TIMEOUT = 1.1  # past the kernel's entry and attribute timeouts of the mount (1 s)
+
+
+def test_loads_after_the_kernels_timeouts_look_up_through_the_reader(mounts: Any) -> None:
+    """Loads a second and more apart: the kernel looks each name up again
+    and asks the directories' attributes; the reader answers those after
+    its own stat of the store finds what the last look found. Another mount
+    of the same backing directory then writes a new version and a new
+    directory: each shows here once the kernel's timeouts ran out."""
+    import torch
+
+    a, b = mounts("a"), mounts("b")
+    a.mount()
+    b.mount()
+    (a.mnt / "run").mkdir()
+    sds = {
+        i: {"w": torch.randn(4096 + i, generator=torch.Generator().manual_seed(i))}
+        for i in range(3)
+    }
+    paths = [a.mnt / "run" / f"k{i}.pt" for i in range(3)]
+    for p, sd in zip(paths, sds.values(), strict=True):
+        torch.save(sd, p)
+    a.cli("flush", str(a.mnt), "--wait")
+    sizes = [os.stat(p).st_size for p in paths]
+    for p in paths:
+        torch.load(p, mmap=True, weights_only=True)
+    before = _requests(a)
+    for _ in range(3):
+        time.sleep(ENTRY_TIMEOUT)
+        for i, p in enumerate(paths):
+            st = os.stat(p)
+            assert (st.st_size, stat.S_IMODE(st.st_mode)) == (sizes[i], 0o644)
+            got = torch.load(p, mmap=True, weights_only=True)
+            assert torch.equal(got["w"], sds[i]["w"])
+    after = _requests(a)
+    assert after["compiled_lookups"] - before["compiled_lookups"] >= 6
+    assert after["compiled_getattrs"] - before["compiled_getattrs"] >= 2
+    # Changed from the other mount: a new version, a new directory.
+    links = os.stat(a.mnt / "run").st_nlink
+    new = {"w": torch.randn(9000, generator=torch.Generator().manual_seed(99))}
+    torch.save(new, b.mnt / "run" / "k2.tmp")
+    os.replace(b.mnt / "run" / "k2.tmp", b.mnt / "run" / "k2.pt")
+    (b.mnt / "run" / "sub").mkdir()
+    b.cli("flush", str(b.mnt), "--wait")
+    time.sleep(ENTRY_TIMEOUT)
+    assert os.stat(paths[2]).st_size == os.stat(b.mnt / "run" / "k2.pt").st_size != sizes[2]
+    assert torch.equal(torch.load(paths[2], mmap=True, weights_only=True)["w"], new["w"])
+    assert os.stat(a.mnt / "run").st_nlink == links + 1
+    assert sorted(os.listdir(a.mnt / "run")) == ["k0.pt", "k1.pt", "k2.pt", "sub"]
+
+
+def test_every_reference_a_compiled_lookup_gave_the_kernel_is_forgotten(mounted: Any) -> None:
+    """The kernel forgets what it looked up (here: all at once, dropping its
+    caches): the daemon frees every inode, none kept by a lookup the reader
+    answered and the filesystem failed to count, none freed early."""
+    if os.geteuid() != 0:
+        pytest.skip("dropping the kernel's caches takes root")
+    m = mounted
+    (m.mnt / "d").mkdir()
+    names = [m.mnt / "d" / f"f{i}.bin" for i in range(20)]
+    for p in names:
+        p.write_bytes(random.randbytes(5000))
+    m.cli("flush", str(m.mnt), "--wait")
+    data = {p: p.read_bytes() for p in names}
+    before = _requests(m)["compiled_lookups"]
+    for _ in range(2):
+        time.sleep(ENTRY_TIMEOUT)
+        for p in names:
+            assert os.stat(p).st_size == 5000
+    assert _requests(m)["compiled_lookups"] - before >= 20
+
+    def forgotten() -> bool:
+        Path("/proc/sys/vm/drop_caches").write_text("2\n")
+        return m.stat()["fuse"]["inodes"] == 1  # the root
+
+    wait_for(forgotten, 20, "every inode forgotten")
+    for p in names:  # looked up again, from nothing
+        assert p.read_bytes() == data[p]
 
 
 def test_an_ordinary_user_loads_through_the_compiled_reader(shared_mounts: Any) -> None:

@@ -38,7 +38,8 @@ def requests_text(fuse: dict[str, Any]) -> str:
     failed = r.get("thread_failures", 0)
     failures = f"; the thread FAILED {failed} time(s): the loop reads for good" if failed else ""
     compiled = (
-        f"; {r.get('compiled_opens', 0)} opens and {r.get('compiled_ioctls', 0)} isatty "
+        f"; {r.get('compiled_opens', 0)} opens, {r.get('compiled_lookups', 0)} lookups, "
+        f"{r.get('compiled_getattrs', 0)} getattrs and {r.get('compiled_ioctls', 0)} isatty "
         "by its compiled reader"
         if fuse.get("reader") == "compiled"
         else ""

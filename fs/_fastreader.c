@@ -61,12 +61,16 @@
 #define NOTHING (-3)
 
 /* A check of our own (a local store only): a stat of ``path`` under the
-   store's root must find the same ``identity`` (dev, ino, size, mtime_ns,
-   ctime_ns; atime_ns too for a directory, whose attributes show it) as the
-   filesystem's last look, and the same kind (a manifest is a regular file). */
+   store's root must find the same ``identity`` as the filesystem's last
+   look, and the same kind (a manifest is a regular file): dev, ino, size,
+   mtime_ns, ctime_ns, and for a directory every other field its attributes
+   show (atime_ns, nlink, mode, uid, gid: two changes within one tick of the
+   kernel's coarse clock leave its times as they were). */
+#define FILE_IDENTITY 5
+#define DIR_IDENTITY 10
 typedef struct {
     char *path; /* NULL: no check here */
-    int64_t identity[6];
+    int64_t identity[DIR_IDENTITY];
     int directory;
 } Check;
 
@@ -255,7 +259,7 @@ static void yield_cpu(void) {
    error, another entry) leaves the request to Python's own check. */
 static int same_check(Reader *self, const Check *c) {
     char path[PATH_MAX];
-    int64_t want[6];
+    int64_t want[DIR_IDENTITY];
     int directory = c->directory;
     size_t len = strlen(c->path);
     if (len >= sizeof path)
@@ -270,15 +274,19 @@ static int same_check(Reader *self, const Check *c) {
     self->checks++;
     if (r != 0 || !(directory ? S_ISDIR(st.st_mode) : S_ISREG(st.st_mode)))
         return 0;
-    int64_t got[6] = {
+    int64_t got[DIR_IDENTITY] = {
         (int64_t)st.st_dev,
         (int64_t)st.st_ino,
         (int64_t)st.st_size,
         (int64_t)st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec,
         (int64_t)st.st_ctim.tv_sec * 1000000000 + st.st_ctim.tv_nsec,
         (int64_t)st.st_atim.tv_sec * 1000000000 + st.st_atim.tv_nsec,
+        (int64_t)st.st_nlink,
+        (int64_t)st.st_mode,
+        (int64_t)st.st_uid,
+        (int64_t)st.st_gid,
     };
-    return memcmp(got, want, (directory ? 6 : 5) * sizeof(int64_t)) == 0;
+    return memcmp(got, want, (directory ? DIR_IDENTITY : FILE_IDENTITY) * sizeof(int64_t)) == 0;
 }
 
 /* A Python error here must not cost the request its answer: it is reported
@@ -520,35 +528,36 @@ static PyObject *Reader_serve(Reader *self, PyObject *args) {
     return PyLong_FromLong(result);
 }
 
-/* ``check``'s path and identity from Python (path None: no check); 0 or -1 (an error). */
-static int set_check(Check *check, const char *path, PyObject *identity, int directory) {
-    int64_t id[6] = {0, 0, 0, 0, 0, 0};
-    if (path != NULL) {
-        if (!PyTuple_Check(identity) || PyTuple_GET_SIZE(identity) < 5 ||
-            PyTuple_GET_SIZE(identity) > 6) {
-            PyErr_SetString(PyExc_TypeError,
-                            "identity: (dev, ino, size, mtime_ns, ctime_ns[, atime_ns])");
+/* ``check``'s path (str or bytes, in the filesystem's encoding, so that a
+   name that is not UTF-8 is kept as it is; None: no check) and identity
+   (FILE_IDENTITY or, for a directory, DIR_IDENTITY fields); 0 or -1. */
+static int set_check(Check *check, PyObject *path, PyObject *identity, int directory) {
+    int64_t id[DIR_IDENTITY] = {0};
+    char *copy = NULL;
+    if (path != Py_None) {
+        Py_ssize_t want = directory ? DIR_IDENTITY : FILE_IDENTITY;
+        if (!PyTuple_Check(identity) || PyTuple_GET_SIZE(identity) != want) {
+            PyErr_Format(PyExc_TypeError, "a %s's identity is a tuple of %zd ints",
+                         directory ? "directory" : "manifest", want);
             return -1;
         }
-        if (directory && PyTuple_GET_SIZE(identity) != 6) {
-            PyErr_SetString(PyExc_TypeError, "a directory's identity includes its atime_ns");
-            return -1;
-        }
-        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(identity); i++) {
+        for (Py_ssize_t i = 0; i < want; i++) {
             id[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(identity, i));
             if (id[i] == -1 && PyErr_Occurred())
                 return -1;
         }
-    }
-    char *copy = NULL;
-    if (path != NULL) {
-        size_t len = strlen(path);
+        PyObject *raw = NULL;
+        if (!PyUnicode_FSConverter(path, &raw))
+            return -1;
+        size_t len = (size_t)PyBytes_GET_SIZE(raw);
         copy = PyMem_Malloc(len + 1);
+        if (copy != NULL)
+            memcpy(copy, PyBytes_AS_STRING(raw), len + 1);
+        Py_DECREF(raw);
         if (copy == NULL) {
             PyErr_NoMemory();
             return -1;
         }
-        memcpy(copy, path, len + 1);
     }
     PyMem_Free(check->path);
     check->path = copy;
@@ -571,9 +580,8 @@ static PyObject *Reader_issue(Reader *self, PyObject *args) {
     unsigned long long ino;
     double deadline, recheck = 0.0;
     unsigned int flags, later;
-    const char *manifest = NULL;
-    PyObject *identity = Py_None;
-    if (!PyArg_ParseTuple(args, "KdII|zOd", &ino, &deadline, &flags, &later, &manifest,
+    PyObject *manifest = Py_None, *identity = Py_None;
+    if (!PyArg_ParseTuple(args, "KdII|OOd", &ino, &deadline, &flags, &later, &manifest,
                           &identity, &recheck))
         return NULL;
     Ticket *t = &self->tickets[ino % TICKETS];
@@ -593,10 +601,9 @@ static PyObject *Reader_issue_attr(Reader *self, PyObject *args) {
     unsigned long long ino;
     double deadline, recheck;
     Py_buffer reply;
-    const char *path = NULL;
-    PyObject *identity = Py_None;
+    PyObject *path = Py_None, *identity = Py_None;
     int directory = 0;
-    if (!PyArg_ParseTuple(args, "Kdy*d|zOp", &ino, &deadline, &reply, &recheck, &path,
+    if (!PyArg_ParseTuple(args, "Kdy*d|OOp", &ino, &deadline, &reply, &recheck, &path,
                           &identity, &directory))
         return NULL;
     AttrTicket *t = &self->attrs[ino % TICKETS];
@@ -616,10 +623,9 @@ static PyObject *Reader_issue_attr(Reader *self, PyObject *args) {
 static PyObject *Reader_issue_entry(Reader *self, PyObject *args) {
     unsigned long long parent, child;
     Py_buffer name, reply;
-    const char *path;
-    PyObject *identity;
+    PyObject *path, *identity;
     int directory;
-    if (!PyArg_ParseTuple(args, "Ky*Ky*sOp", &parent, &name, &child, &reply, &path, &identity,
+    if (!PyArg_ParseTuple(args, "Ky*Ky*OOp", &parent, &name, &child, &reply, &path, &identity,
                           &directory))
         return NULL;
     int failed = 0;
@@ -630,8 +636,10 @@ static PyObject *Reader_issue_entry(Reader *self, PyObject *args) {
     if (!failed) {
         EntryTicket *e = &self->entries[entry_slot(parent, name.buf, (size_t)name.len)];
         e->epoch = 0;
-        failed = copy_reply(e->reply, &reply, ENTRY_OUT) < 0 ||
+        failed = path == Py_None || copy_reply(e->reply, &reply, ENTRY_OUT) < 0 ||
                  set_check(&e->check, path, identity, directory) < 0;
+        if (path == Py_None)
+            PyErr_SetString(PyExc_TypeError, "an entry ticket is checked each time: a path");
         if (!failed) {
             e->parent = parent;
             e->child = child;
@@ -753,7 +761,8 @@ static PyMethodDef Reader_methods[] = {
      "issue_attr(ino, deadline, reply, recheck[, path, identity, directory]): a GETATTR of "
      "ino is answered with reply (a fuse_attr_out) until deadline while the epoch holds; "
      "past it, once a stat of path finds identity (dev, ino, size, mtime_ns, ctime_ns, "
-     "and atime_ns for a directory), and then for recheck seconds more; state lock held."},
+     "and for a directory atime_ns, nlink, mode, uid, gid), and then for recheck seconds "
+     "more; state lock held."},
     {"issue_entry", (PyCFunction)Reader_issue_entry, METH_VARARGS,
      "issue_entry(parent, name, child, reply, path, identity, directory): a LOOKUP of name "
      "in parent is answered with reply (a fuse_entry_out of child) while the epoch holds, "

@@ -152,11 +152,14 @@ class EntryTicket:
 
 def check_identity(st: os.stat_result, directory: bool) -> tuple[int, ...]:
     """What a stat must find again for a check of the compiled reader's own:
-    a manifest's identity (the same parsed manifest), a directory's with its
-    atime too (its attributes show it; a change of mode, owner or links
-    changes the ctime)."""
+    a manifest's identity (the same parsed manifest: a rewrite is a new
+    file), a directory's with every other field its attributes show (atime,
+    links, mode, owner: two changes within one tick of the kernel's coarse
+    clock leave mtime and ctime as they were)."""
     found = ParsedManifests.identity(st)
-    return (*found, st.st_atime_ns) if directory else found
+    if not directory:
+        return found
+    return (*found, st.st_atime_ns, st.st_nlink, st.st_mode, st.st_uid, st.st_gid)
 
 
 @dataclass
@@ -390,9 +393,27 @@ class FileSystem:
             and (f.handles or self._recently_checked(inode))
         ):
             return self._attr(inode, seen)
-        if inode.kind == "dir" and time.monotonic() - inode.dir_attrs_at < DIR_ATTR_REUSE:
+        if inode.kind == "dir" and self._dir_attrs_reusable(inode):
             return self._attr(inode, inode.dir_attrs)
         return None
+
+    @staticmethod
+    def _dir_attrs_reusable(inode: Inode) -> bool:
+        """Whether the directory's last look may answer a getattr now: recent,
+        and read after the last change of a name in it here (a look that
+        began before it may be stored after it, by the request thread)."""
+        return (
+            inode.dir_attrs is not None
+            and inode.dir_attrs_at > inode.names_changed_at
+            and time.monotonic() - inode.dir_attrs_at < DIR_ATTR_REUSE
+        )
+
+    @staticmethod
+    def _keep_dir_attrs(inode: Inode, entry: Entry, read_at: float) -> None:
+        """The directory's attributes as a look that began at ``read_at``
+        found them, unless a later look's are kept already."""
+        if inode.dir_attrs is None or read_at >= inode.dir_attrs_at:
+            inode.dir_attrs, inode.dir_attrs_at = entry, read_at
 
     def getattr_check_wanted(self, ino: int) -> CheckPlan | None:
         """A getattr that :meth:`getattr_now` declined: the store read that
@@ -422,7 +443,7 @@ class FileSystem:
         if same:
             self._checked(inode, entry)
         if inode.kind == "dir" and same:
-            inode.dir_attrs, inode.dir_attrs_at = entry, read_at
+            self._keep_dir_attrs(inode, entry, read_at)
         return self._attr(inode, entry if same else None)
 
     async def getattr(self, ino: int) -> Attr:
@@ -439,11 +460,19 @@ class FileSystem:
             raise FsError(errno.ENOENT) from None
         return self._getattr_with(inode, entry, now)
 
+    def name_of(self, ino: int) -> tuple[int, str] | None:
+        """(parent, name) of a named inode; None for the root or an unlinked one."""
+        inode = self.inodes.get(ino)
+        if inode is None or inode.unlinked or ino == ROOT:
+            return None
+        return inode.parent, inode.name
+
     def names_changed_in(self, parent: int) -> None:
-        """A name was added to or removed from directory ``parent`` here."""
+        """A name was added to or removed from directory ``parent`` here:
+        no look at its attributes that began before now is reused."""
         inode = self.inodes.get(parent)
         if inode is not None:
-            inode.dir_attrs_at = 0.0
+            inode.names_changed_at = time.monotonic()
 
     def _inode(self, ino: int) -> Inode:
         inode = self.inodes.get(ino)
@@ -925,6 +954,8 @@ class FileSystem:
             if seen is None:
                 return None
             deadline, recheck = inode.dir_attrs_at + DIR_ATTR_REUSE, DIR_ATTR_REUSE
+            if not self._dir_attrs_reusable(inode):
+                deadline = 0.0  # read before a change here: a check's stat says
         else:
             f = inode.file
             if inode.kind != "file" or f is None or not _plain_reader_case(inode, f):
@@ -989,6 +1020,8 @@ class FileSystem:
         if lookup:
             inode.nlookup += 1
         if inode.kind == "dir" and checked_at > inode.dir_attrs_at:
+            # The same attributes, seen again then (the stat compares every
+            # field they show), and after any change here that the entry saw.
             inode.dir_attrs_at = checked_at
         elif inode.kind == "file" and checked_at > inode.checked_at:
             inode.checked_at = checked_at
@@ -1103,7 +1136,7 @@ class FileSystem:
         bound = self._bind(parent, name, entry)  # the same inode: same ident and kind
         bound.nlookup += 1
         if bound.kind == "dir":  # what a getattr of it may reuse (and an entry ticket tells)
-            bound.dir_attrs, bound.dir_attrs_at = entry, entry.read_at
+            self._keep_dir_attrs(bound, entry, entry.read_at)
         return self._attr(bound, entry)
 
     def _still_checked(self, check: CheckPlan, entry: Entry) -> bool:

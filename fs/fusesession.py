@@ -205,11 +205,13 @@ class _LoopHoldsState(trio.abc.Instrument):
     def _adopt_pending(self) -> None:
         if not self.fast.pending:
             return
-        seen = self.fast.drain_seen()
-        opened = self.fast.drain()
+        seen: list[tuple[int, bool, float]] = []
+        opened: list[tuple[int, int, int, int, int, float]] = []
         try:
             assert self.adopt_seen is not None and self.adopt is not None
+            seen = self.fast.drain_seen()
             self.adopt_seen(seen)
+            opened = self.fast.drain()
             self.adopt(opened)
         except Exception:  # a bug; raised here, it would remove this instrument
             log.exception("adopting the compiled reader's answers %r, %r failed", seen, opened)

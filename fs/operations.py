@@ -300,6 +300,10 @@ class Operations:
             except BaseException:
                 self.tickets.withdraw(ino)  # the answer may have changed the inode
                 raise
+            # An answer about the inode may have changed what a lookup of
+            # its name answers (a checked open takes the manifest's mode,
+            # owner and times): that ticket is issued again too.
+            named = named or self.fs.name_of(ino)
         if named is not None:
             try:
                 self._issue_entry(*named)

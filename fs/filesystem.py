@@ -936,8 +936,20 @@ class FileSystem:
         seen = inode.checked
         if seen is not None and _plain_reader_case(inode, f) and self.backing.io.health == "normal":
             ticket.manifest = self.inodes.path(ino)
-            ticket.identity = ParsedManifests.identity(seen.st)
+            ticket.identity = check_identity(seen.st, directory=False)
         return ticket
+
+    def _last_look(self, inode: Inode) -> Entry | None:
+        """What a getattr or a checked lookup of ``inode`` answers from, if a
+        check that finds it again is all they need: a directory's last
+        attributes, or the last manifest check of a file only such a check
+        may change, at the version we hold."""
+        if inode.kind == "dir":
+            return inode.dir_attrs
+        f = inode.file
+        if inode.kind != "file" or f is None or not _plain_reader_case(inode, f):
+            return None
+        return self._last_check(inode, f)
 
     def attr_ticket(self, ino: int) -> AttrTicket | None:
         """What :meth:`getattr_now` answers for ``ino`` until the last look's
@@ -947,26 +959,16 @@ class FileSystem:
         being written here, a symlink, a name never looked at). Issued to the
         compiled reader after the request thread's answers, like open tickets."""
         inode = self.inodes.get(ino)
-        if inode is None or inode.unlinked:
+        if inode is None or inode.unlinked or (seen := self._last_look(inode)) is None:
             return None
-        if inode.kind == "dir":
-            seen, directory = inode.dir_attrs, True
-            if seen is None:
-                return None
+        directory = inode.kind == "dir"
+        if directory:
             deadline, recheck = inode.dir_attrs_at + DIR_ATTR_REUSE, DIR_ATTR_REUSE
             if not self._dir_attrs_reusable(inode):
                 deadline = 0.0  # read before a change here: a check's stat says
         else:
-            f = inode.file
-            if inode.kind != "file" or f is None or not _plain_reader_case(inode, f):
-                return None
-            seen, directory = self._last_check(inode, f), False
-            if seen is None:
-                return None
-            deadline, recheck = (
-                inode.checked_at + self.config.open_recheck,
-                self.config.open_recheck,
-            )
+            recheck = self.config.open_recheck
+            deadline = inode.checked_at + recheck
         path = (self.inodes.path(ino) or ".") if self.backing.io.health == "normal" else None
         return AttrTicket(
             self._attr(inode, seen),
@@ -986,22 +988,12 @@ class FileSystem:
         if self.backing.io.health != "normal" or self.ns_lock.any_replacing():
             return None
         inode = self.inodes.child(parent, name)
-        if inode is None or inode.unlinked:
+        if inode is None or inode.unlinked or (seen := self._last_look(inode)) is None:
             return None
-        if inode.kind == "dir":
-            seen, directory = inode.dir_attrs, True
-        else:
-            f = inode.file
-            if (
-                inode.kind != "file"
-                or f is None
-                or not _plain_reader_case(inode, f)
-                or self.cache.files.get(f.file_id) is not f
-            ):
-                return None
-            seen, directory = self._last_check(inode, f), False
-        if seen is None:
-            return None
+        f = inode.file
+        if f is not None and self.cache.files.get(f.file_id) is not f:
+            return None  # (as _still_checked asks)
+        directory = inode.kind == "dir"
         return EntryTicket(
             inode.ino,
             self._attr(inode, seen),
@@ -1019,9 +1011,14 @@ class FileSystem:
         inode = self._inode(ino)
         if lookup:
             inode.nlookup += 1
+        self._seen_again(inode, checked_at)
+
+    @staticmethod
+    def _seen_again(inode: Inode, checked_at: float) -> None:
+        """A check of the compiled reader's that began at ``checked_at`` found
+        the entry the last look found (the stat compares every field the
+        answer shows): as if that look was made then."""
         if inode.kind == "dir" and checked_at > inode.dir_attrs_at:
-            # The same attributes, seen again then (the stat compares every
-            # field they show), and after any change here that the entry saw.
             inode.dir_attrs_at = checked_at
         elif inode.kind == "file" and checked_at > inode.checked_at:
             inode.checked_at = checked_at
@@ -1034,8 +1031,7 @@ class FileSystem:
         it was when the ticket was issued (whoever takes the state lock
         adopts first)."""
         inode = self._inode(ino)
-        if checked_at > inode.checked_at:
-            inode.checked_at = checked_at  # the same manifest, seen again then
+        self._seen_again(inode, checked_at)
         f = inode.file
         if f is None:  # a ticket is only issued for a cached file
             raise RuntimeError(f"inode {ino}: a compiled open of an inode with no cached file")

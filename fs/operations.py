@@ -316,18 +316,13 @@ class Operations:
         if ticket is None:
             self.tickets.withdraw(ino)
             return
-        flags = self._open_flags(os.O_RDONLY, ticket.keep, writes=False)
-        later = self._open_flags(os.O_RDONLY, ticket.keep_later, writes=False)
         recheck = self.fs.config.open_recheck
-        if ticket.manifest is None or not recheck:
-            self.tickets.issue(ino, ticket.deadline, flags, later)
-            return
         self.tickets.issue(
             ino,
             ticket.deadline,
-            flags,
-            later,
-            ticket.manifest,
+            self._open_flags(os.O_RDONLY, ticket.keep, writes=False),
+            self._open_flags(os.O_RDONLY, ticket.keep_later, writes=False),
+            ticket.manifest if recheck else None,  # None: no check of the reader's own
             ticket.identity,
             recheck,
         )
@@ -337,16 +332,12 @@ class Operations:
         ticket = self.fs.attr_ticket(ino)
         if ticket is None:
             return
-        reply = attributes(ticket.attr)
-        if ticket.path is None or not ticket.recheck:  # fuse.open_recheck 0: Python checks
-            self.tickets.issue_attr(ino, ticket.deadline, reply, ticket.recheck)
-            return
         self.tickets.issue_attr(
             ino,
             ticket.deadline,
-            reply,
+            attributes(ticket.attr),
             ticket.recheck,
-            ticket.path,
+            ticket.path if ticket.recheck else None,  # fuse.open_recheck 0: Python checks
             ticket.identity,
             ticket.directory,
         )

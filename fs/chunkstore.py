@@ -19,7 +19,9 @@ from pathlib import Path
 
 import xxhash
 
-CKPTFS_DIR = ".ckptfs"
+from .beneath import open_beneath, private_dir, via_fd
+from .storedirs import CHUNKS, CKPTFS_DIR, StoreDirs
+
 Buffer = bytes | bytearray | memoryview
 STREAM_PIECE = 1 << 20  # bounce buffer of a streamed (verified range) read
 # O_DIRECT reads and writes need file offsets, lengths and buffers aligned to
@@ -35,6 +37,23 @@ IOV_MAX = 1024
 
 class ChunkCorrupt(OSError):
     """A chunk is missing, short, or its bytes do not match its hash."""
+
+
+DIGEST_LEN = 32  # xxh3-128 in hex
+_HEX = frozenset("0123456789abcdef")
+
+
+def is_digest(value: object) -> bool:
+    """Whether ``value`` is a chunk name: 32 lowercase hex digits. A digest
+    comes from a manifest, which users can write: anything else must never
+    become part of a path."""
+    return isinstance(value, str) and len(value) == DIGEST_LEN and _HEX.issuperset(value)
+
+
+def check_digest(digest: str) -> str:
+    if not is_digest(digest):
+        raise ChunkCorrupt(errno.EINVAL, f"not a chunk name: {digest!r}")
+    return digest
 
 
 def chunk_hash(data: Buffer) -> str:
@@ -81,9 +100,16 @@ class Bounce:
 
 
 class ChunkStore:
-    def __init__(self, backing: Path) -> None:
+    """``backing``'s chunk store, used through the descriptor of its
+    verified ``.ckptfs/chunks`` (storedirs.py): ``dirs`` shares one with the
+    rest of a mount; without it the store opens its own (offline tools)."""
+
+    def __init__(
+        self, backing: Path, dirs: StoreDirs | None = None, *, create: bool = True
+    ) -> None:
         self.backing = Path(backing)
-        self.root = self.backing / CKPTFS_DIR / "chunks"
+        self.dirs = dirs or StoreDirs(self.backing, create=create)
+        self.root = self.backing / CKPTFS_DIR / CHUNKS
         # Cleared the first time the filesystem refuses O_DIRECT (EINVAL), for
         # reads and for writes apart.
         self.direct_ok = True
@@ -93,10 +119,42 @@ class ChunkStore:
         self._bounces: list[Bounce] = []  # idle bounce buffers
 
     def path_for(self, digest: str) -> Path:
-        return self.root / digest[:2] / digest[2:4] / digest
+        """Where the chunk is, for messages and offline tools (the store's own
+        calls go through :meth:`_rel` beneath the chunks directory's fd)."""
+        return self.root / self._rel(digest)
+
+    @staticmethod
+    def _rel(digest: str) -> str:
+        check_digest(digest)
+        return f"{digest[:2]}/{digest[2:4]}/{digest}"
+
+    @property
+    def fd(self) -> int:
+        return self.dirs.private(CHUNKS)
+
+    def _fanout(self, digest: str) -> int:
+        """The fd of the chunk's directory, made if missing: private like
+        every directory of the store's."""
+        top = private_dir(self.fd, digest[:2], label=str(self.root / digest[:2]))
+        try:
+            return private_dir(top, digest[2:4], label=str(self.root / digest[:2] / digest[2:4]))
+        finally:
+            os.close(top)
+
+    def size_of(self, digest: str) -> int:
+        """The size of the chunk's file (FileNotFoundError if there is none)."""
+        fd = open_beneath(self.fd, self._rel(digest), os.O_PATH | os.O_NOFOLLOW)
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
 
     def exists(self, digest: str) -> bool:
-        return self.path_for(digest).exists()
+        try:
+            os.close(open_beneath(self.fd, self._rel(digest), os.O_PATH | os.O_NOFOLLOW))
+        except FileNotFoundError:
+            return False
+        return True
 
     def touch(self, digest: str) -> bool:
         """Mark an existing chunk as reused now; False if there is none.
@@ -106,9 +164,13 @@ class ChunkStore:
         dedups against an old unreferenced chunk keeps it alive this way.
         """
         try:
-            os.utime(self.path_for(digest))
+            fd = open_beneath(self.fd, self._rel(digest), os.O_PATH | os.O_NOFOLLOW)
         except FileNotFoundError:
             return False
+        try:
+            os.utime(via_fd(fd))
+        finally:
+            os.close(fd)
         return True
 
     def put(self, digest: str, data: Buffer | Sequence[Buffer]) -> int:
@@ -146,16 +208,21 @@ class ChunkStore:
 
     def _store(self, digest: str, pieces: Sequence[Buffer]) -> int:
         """Write a new chunk: temporary name, fsync, rename, directory fsync."""
-        final = self.path_for(digest)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.with_name(f"{digest}.tmp.{secrets.token_hex(4)}")
+        dfd = self._fanout(check_digest(digest))
+        try:
+            return self._store_in(dfd, digest, pieces)
+        finally:
+            os.close(dfd)
+
+    def _store_in(self, dfd: int, digest: str, pieces: Sequence[Buffer]) -> int:
+        tmp = f"{digest}.tmp.{secrets.token_hex(4)}"
         views = [memoryview(p).cast("B") for p in pieces if len(p)]
         total = sum(len(v) for v in views)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         while True:
             direct = self.direct_write_ok
             try:
-                fd = os.open(tmp, flags | (os.O_DIRECT if direct else 0), 0o444)
+                fd = os.open(tmp, flags | (os.O_DIRECT if direct else 0), 0o444, dir_fd=dfd)
             except OSError as exc:
                 if direct and exc.errno == errno.EINVAL:
                     self.direct_write_ok = False  # not on this filesystem
@@ -170,9 +237,12 @@ class ChunkStore:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-                os.rename(tmp, final)
+                os.rename(tmp, digest, src_dir_fd=dfd, dst_dir_fd=dfd)
             except BaseException as exc:
-                tmp.unlink(missing_ok=True)
+                try:
+                    os.unlink(tmp, dir_fd=dfd)
+                except FileNotFoundError:
+                    pass
                 if direct and isinstance(exc, OSError) and exc.errno == errno.EINVAL:
                     # The filesystem opened it but refuses the writes: buffered
                     # from now on (the file starts again from nothing).
@@ -181,11 +251,7 @@ class ChunkStore:
                 raise
             break
         # The directory entry must be durable too before a manifest names it.
-        dfd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        os.fsync(dfd)
         return total
 
     def _write_direct(self, fd: int, views: list[memoryview], total: int) -> None:
@@ -255,7 +321,7 @@ class ChunkStore:
 
     def _open(self, digest: str, what: str, flags: int = 0) -> int:
         try:
-            return os.open(self.path_for(digest), os.O_RDONLY | os.O_CLOEXEC | flags)
+            return open_beneath(self.fd, self._rel(digest), os.O_RDONLY | os.O_NOFOLLOW | flags)
         except FileNotFoundError:
             raise ChunkCorrupt(
                 f"{self._label(digest, what)} is missing from {self.path_for(digest)}"

@@ -19,10 +19,11 @@ import trio
 
 from .arena import SLOT_SIZE, Arena
 from .backing import Backing
+from .beneath import make_private_path
 from .blocking import BackingIO
 from .cache import Cache
 from .cachedfile import CachedFile
-from .chunkstore import CKPTFS_DIR, ChunkStore
+from .chunkstore import ChunkStore
 from .config import Config
 from .filesystem import FOLLOWS, FileSystem, in_subtree
 from .flusher import Flusher
@@ -30,8 +31,9 @@ from .history import History
 from .journal import Journal, ThreadRunner
 from .manifest import Manifest
 from .recovery import recover
-from .retention import apply_retention
+from .retention import fd_audit, file_audit, retain_beneath
 from .state import FileRole, FileState, Published
+from .storedirs import StoreDirs
 
 log = logging.getLogger("ckptfs.core")
 
@@ -62,16 +64,23 @@ class Core:
         self.io = io or BackingIO(
             config.backing_timeout, max_threads=max(8, 2 * config.flush_workers)
         )
-        self.history = History(
-            config.history_file
-            or (self.backing_root / CKPTFS_DIR / "history" / f"{config.node}.csv"),
-            self.io,
+        # The backing root and .ckptfs, held open and checked (storedirs.py).
+        self.dirs = StoreDirs(self.backing_root)
+        self.history = (
+            History(config.history_file, self.io)
+            if config.history_file
+            else History(Path(f"{config.node}.csv"), self.io, self.dirs)
         )
-        self.cache_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # The journal that recovery reads and the arena's bytes: only ours.
+        make_private_path(self.cache_root)
         self.arena = Arena(self.cache_root / "arena", config.cache_size, slot_size)
         self.journal = Journal(self.cache_root / "journal", journal_runner)
         self.cache = Cache(
-            self.arena, ChunkStore(self.backing_root), self.io, self.journal, node=config.node
+            self.arena,
+            ChunkStore(self.backing_root, self.dirs),
+            self.io,
+            self.journal,
+            node=config.node,
         )
         self.flusher = Flusher(
             self.cache,
@@ -86,7 +95,7 @@ class Core:
             on_durable=self._on_durable,
         )
         self.cache.on_pending = self.flusher.enqueue
-        self.backing = Backing(self.backing_root, self.io)
+        self.backing = Backing(self.backing_root, self.io, self.dirs)
         self.fs = FileSystem(config, self.backing, self.cache, self.flusher)
         self.prefaulted = 0
         self.prefault = Prefault.OFF
@@ -277,17 +286,22 @@ class Core:
         checkpoint_dir = "/".join(parts[: hits[-1] + 1])
         if any(f.state is not FileState.DURABLE for f in self.fs.files_under(checkpoint_dir)):
             return  # apply_retention waits for the whole directory: walk once, at its end
-        root = self.backing_root.joinpath(*parts[: hits[-1]])
-        audit = self.config.retention_audit_log or (
-            self.backing_root / CKPTFS_DIR / "retention.log"
+        rel = "/".join(parts[: hits[-1]])
+        audit = (
+            file_audit(self.config.retention_audit_log)
+            if self.config.retention_audit_log
+            else fd_audit(self.dirs.private(), "retention.log")
         )
+        root = self.backing_root / rel if rel else self.backing_root
         try:
             await self.io.run(
-                apply_retention,
-                root,
+                retain_beneath,
+                self.dirs.root_fd,
+                rel,
                 self.config.retention_pattern,
                 keep,
                 audit,
+                self.backing.key,
                 what=f"retention under {root}",
             )
         except OSError as exc:

@@ -324,11 +324,30 @@ class FileSystem:
             return _adopted(f, entry)
         return m.file_id == f.file_id and (f.handles > 0 or f.modified or f.version == m.version)
 
-    async def _entry(self, path: str) -> Entry:
+    async def _entry(self, path: str, parent: int | None = None) -> Entry:
+        """The entry at ``path``; with ``parent`` (its directory's inode),
+        ESTALE if that directory is not the one the inode was bound to."""
         try:
-            return await self.backing.entry(path)
+            return await self.backing.entry(path, self._dir_ino(parent))
         except FileNotFoundError:
             raise FsError(errno.ENOENT) from None
+
+    def _dir_ino(self, ino: int | None) -> int | None:
+        """The backing st_ino a directory's inode was bound to: what a call
+        through it expects to find (backing.py); None for the root, which
+        never moves, and for anything unknown."""
+        inode = self.inodes.get(ino) if ino is not None else None
+        if inode is None or inode.ident[0] != "dir":
+            return None
+        return int(inode.ident[1])  # type: ignore[call-overload]
+
+    @staticmethod
+    def _object_ino(inode: Inode) -> int | None:
+        """The backing st_ino of a directory, symlink or plain file's inode
+        (what setattr expects to find at its name); None for the root."""
+        if inode.ident[0] not in ("dir", "symlink", "plain"):
+            return None
+        return int(inode.ident[1])  # type: ignore[call-overload]
 
     def _bind(self, parent: int, name: str, entry: Entry) -> Inode:
         existing = self.inodes.child(parent, name)
@@ -346,24 +365,36 @@ class FileSystem:
             self.inodes.attach(inode, self.cache.files.get(entry.manifest.file_id))
         return inode
 
+    @staticmethod
+    def _is_bound(inode: Inode | None) -> Callable[[Entry], bool] | None:
+        """Whether an entry is what ``inode`` was bound to (for a call that
+        must act on exactly that: a rename's source); None if no inode."""
+        if inode is None:
+            return None
+        ident, f = inode.ident, inode.file
+        return lambda entry: entry.ident == ident or (f is not None and _adopted(f, entry))
+
     def _adopter(self, parent: int, name: str, entry: Entry) -> CachedFile | None:
         """A file that adopted the plain file ``entry`` at (parent, name) and
         whose first publish failed: it waits for a retry, with no handle."""
         path = self.inodes.child_path(parent, name)
         return next((f for f in self._retry if f.path == path and _adopted(f, entry)), None)
 
-    async def _resolved(self, path_of: Callable[[], str], bind: Callable[[Entry], T]) -> T:
-        """``bind(entry)`` for the backing entry at ``path_of()``, with no
-        rename or unlink in between: an entry read before a rename and bound
-        after it would give the old file's identity to the name (and take it
-        from the inode renamed there)."""
+    async def _resolved(
+        self, path_of: Callable[[], str], bind: Callable[[Entry], T], parent: Callable[[], int]
+    ) -> T:
+        """``bind(entry)`` for the backing entry at ``path_of()`` in the
+        directory whose inode is ``parent()``, with no rename or unlink in
+        between: an entry read before a rename and bound after it would give
+        the old file's identity to the name (and take it from the inode
+        renamed there)."""
         for _ in range(RESOLVE_TRIES):
             generation = self.ns_lock.generation
-            entry = await self._entry(path_of())
+            entry = await self._entry(path_of(), parent())
             if self.ns_lock.stable_since(generation):
                 return bind(entry)
         async with self.ns_lock.reading():  # renames keep coming: wait for a gap
-            return bind(await self._entry(path_of()))
+            return bind(await self._entry(path_of(), parent()))
 
     async def lookup(self, parent: int, name: str) -> Attr:
         def bind(entry: Entry) -> Attr:
@@ -371,7 +402,9 @@ class FileSystem:
             inode.nlookup += 1
             return self._attr(inode, entry)
 
-        return await self._resolved(lambda: self.inodes.child_path(parent, name), bind)
+        return await self._resolved(
+            lambda: self.inodes.child_path(parent, name), bind, lambda: parent
+        )
 
     def getattr_now(self, ino: int) -> Attr | None:
         """The attributes if they need no backing-store read, else None."""
@@ -444,6 +477,8 @@ class FileSystem:
             self._checked(inode, entry)
         if inode.kind == "dir" and same:
             self._keep_dir_attrs(inode, entry, read_at)
+        if not same and inode.file is None and not inode.unlinked:
+            raise FsError(errno.ESTALE, "replaced since it was looked up")
         return self._attr(inode, entry if same else None)
 
     async def getattr(self, ino: int) -> Attr:
@@ -453,11 +488,13 @@ class FileSystem:
         inode = self._inode(ino)
         now = time.monotonic()
         try:
-            entry = await self.backing.entry(self.inodes.path(ino))
+            entry = await self.backing.entry(self.inodes.path(ino), self._dir_ino(inode.parent))
         except FileNotFoundError:
             if inode.file is not None:
                 return self._attr(inode, None)
-            raise FsError(errno.ENOENT) from None
+            # Removed elsewhere while the kernel's entry lived: it looks the
+            # name up again (a stat by path then answers what is there now).
+            raise FsError(errno.ESTALE, "its name was removed elsewhere") from None
         return self._getattr_with(inode, entry, now)
 
     def name_of(self, ino: int) -> tuple[int, str] | None:
@@ -489,18 +526,6 @@ class FileSystem:
     def forget(self, ino: int, count: int) -> None:
         self.inodes.forget(ino, count)
 
-    # ----- ownership of new names --------------------------------------------
-    async def _new_owner(self, parent: int, caller: Caller) -> tuple[int, int, bool]:
-        """(uid, gid, parent is setgid) for a name created under ``parent``."""
-        st = (await self._entry(self.inodes.path(parent))).st
-        if st.st_mode & stat.S_ISGID:
-            return caller.uid, st.st_gid, True
-        return caller.uid, caller.gid, False
-
-    async def _chown_new(self, path: str, uid: int, gid: int) -> None:
-        if (uid, gid) != (os.geteuid(), os.getegid()):
-            await self.backing.chown(path, uid, gid)
-
     # ----- directories ------------------------------------------------------
     async def opendir(self, ino: int) -> int:
         if self._inode(ino).kind != "dir":
@@ -513,7 +538,7 @@ class FileSystem:
         """Entries from offset ``start``; the listing is taken once per opendir."""
         ino, listing = self.dir_handles[fh]
         if listing is None:
-            listing = await self.backing.listdir(self.inodes.path(ino))
+            listing = await self.backing.listdir(self.inodes.path(ino), self._dir_ino(ino))
             self.dir_handles[fh] = (ino, listing)
         result = []
         for name, entry in listing[start:]:
@@ -529,45 +554,40 @@ class FileSystem:
     @_changes_names(0)
     async def mkdir(self, parent: int, name: str, mode: int, caller: Caller) -> Attr:
         path = self.inodes.child_path(parent, name)
-        uid, gid, setgid = await self._new_owner(parent, caller)
-        mode &= 0o7777
-        if setgid:
-            mode |= stat.S_ISGID  # directories inherit the setgid bit itself
-        await self.backing.mkdir(path, mode)
-        await self._chown_new(path, uid, gid)
-        if setgid:  # chown may have cleared it; and mkdir's mode bits are advisory
-            await self.backing.chmod(path, mode)
+        await self.backing.mkdir(
+            path, mode & 0o7777, (caller.uid, caller.gid), self._dir_ino(parent)
+        )
         return await self.lookup(parent, name)
 
     @_changes_names(0)
     async def rmdir(self, parent: int, name: str) -> None:
         path = self.inodes.child_path(parent, name)
-        entry = await self._entry(path)
+        entry = await self._entry(path, parent)
         if entry.kind != "dir":
             raise FsError(errno.ENOTDIR)
-        await self.backing.rmdir(path)
+        await self.backing.rmdir(path, self._dir_ino(parent))
         self.inodes.detach(parent, name)
 
     @_changes_names(0)
     async def symlink(self, parent: int, name: str, target: bytes, caller: Caller) -> Attr:
         path = self.inodes.child_path(parent, name)
-        uid, gid, _ = await self._new_owner(parent, caller)
-        await self.backing.symlink(target, path)
-        await self._chown_new(path, uid, gid)
+        await self.backing.symlink(target, path, (caller.uid, caller.gid), self._dir_ino(parent))
         return await self.lookup(parent, name)
 
     async def readlink(self, ino: int) -> bytes:
-        return await self.backing.readlink(self.inodes.path(ino))
+        return await self.backing.readlink(
+            self.inodes.path(ino), self._object_ino(self._inode(ino))
+        )
 
     # ----- names ------------------------------------------------------------
     @_changes_names(0)
     async def unlink(self, parent: int, name: str) -> None:
         path = self.inodes.child_path(parent, name)
         async with self.ns_lock.exclusive():
-            entry = await self._entry(path)
+            entry = await self._entry(path, parent)
             if entry.kind == "dir":
                 raise FsError(errno.EISDIR)
-            await self.backing.unlink(path)
+            await self.backing.unlink(path, self._dir_ino(parent), entry)
             self._removed(parent, name, entry)
         log.debug("deleted %s", path)
 
@@ -626,6 +646,7 @@ class FileSystem:
             old_path = self.inodes.child_path(p_old, old)
             new_path = self.inodes.child_path(p_new, new)
             records = await self._records_renamed(old_path, new_path, held)
+            parents = (self._dir_ino(p_old), self._dir_ino(p_new))
             try:
                 source, target, moved = await self.backing.rename_reading(
                     old_path,
@@ -635,6 +656,8 @@ class FileSystem:
                     before=lambda: self._write_records(records),
                     node=self.cache.node,
                     record_ids=self._stale_pending_ids(p_old, old, old_path),
+                    expect_parents=parents,
+                    expect_source=self._is_bound(self.inodes.child(p_old, old)),
                 )
             except FileNotFoundError:
                 raise FsError(errno.ENOENT) from None
@@ -667,6 +690,7 @@ class FileSystem:
                         )
                         else None
                     ),
+                    expect_parents=parents,
                 )
             if target is not None and target.ident != source.ident:
                 self._removed(p_new, new, target)
@@ -813,7 +837,11 @@ class FileSystem:
                     f.path = path
                     # One backing-store call: the parent's setgid, the manifest, its entry.
                     entry, f.gid = await self.backing.create_manifest(
-                        path, self._manifest(f, f.version), caller.uid, caller.gid
+                        path,
+                        self._manifest(f, f.version),
+                        caller.uid,
+                        caller.gid,
+                        self._dir_ino(parent),
                     )
         except BaseException:
             self.cache.unlink(f)  # nothing publishes it (a waiting commit sees UNLINKED)
@@ -1277,7 +1305,17 @@ class FileSystem:
             self.inodes.attach(inode, loaded)
             return loaded
 
-        got = await self._resolved(lambda: self.inodes.path(inode.ino), bind)
+        try:
+            got = await self._resolved(
+                lambda: self.inodes.path(inode.ino), bind, lambda: inode.parent
+            )
+        except FsError as exc:
+            if exc.errno != errno.ENOENT:
+                raise
+            # Removed elsewhere (another node) while the kernel's entry
+            # lived: it looks the name up again and retries (an O_CREAT
+            # open then creates the file), as for a replaced one.
+            raise FsError(errno.ESTALE, "its name was removed elsewhere") from None
         if isinstance(got, CachedFile):
             return got
         return await self._adopt_plain(inode, self.inodes.path(inode.ino), got, writable, truncate)
@@ -1782,21 +1820,15 @@ class FileSystem:
             return await self._setattr_file(inode, change, caller)
         path = self.inodes.path(ino)
         inode.dir_attrs_at = 0.0  # what follows changes them
-        if change.mode is not None and inode.kind != "symlink":
-            await self.backing.chmod(path, change.mode & 0o7777)
-        if change.uid is not None or change.gid is not None:
-            await self.backing.chown(
-                path,
-                -1 if change.uid is None else change.uid,
-                -1 if change.gid is None else change.gid,
-            )
-        if change.atime_ns is not None or change.mtime_ns is not None:
-            st = (await self._entry(path)).st
-            await self.backing.utime(
-                path,
-                st.st_atime_ns if change.atime_ns is None else change.atime_ns,
-                st.st_mtime_ns if change.mtime_ns is None else change.mtime_ns,
-            )
+        await self.backing.set_attributes(
+            path,
+            self._object_ino(inode),
+            mode=None if change.mode is None or inode.kind == "symlink" else change.mode & 0o7777,
+            uid=-1 if change.uid is None else change.uid,
+            gid=-1 if change.gid is None else change.gid,
+            atime_ns=change.atime_ns,
+            mtime_ns=change.mtime_ns,
+        )
         return await self.getattr(ino)
 
     async def _setattr_file(self, inode: Inode, change: SetAttr, caller: Caller) -> Attr:

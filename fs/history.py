@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import os
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import trio
 
 from .blocking import BackingIO
+from .storedirs import HISTORY, StoreDirs
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +27,12 @@ SHUTDOWN_WRITE_TIMEOUT = 5.0
 
 
 class History:
-    def __init__(self, path: Path, io: BackingIO) -> None:
-        self.path = path
+    """``path``: the CSV, as the operator configured it; with ``dirs``, a
+    name in the store's ``.ckptfs/history`` (used through its fd)."""
+
+    def __init__(self, path: Path, io: BackingIO, dirs: StoreDirs | None = None) -> None:
+        self.path = dirs.path(HISTORY) / path if dirs is not None else path
+        self.dirs = dirs
         self.io = io
         self.recent: deque[dict[str, Any]] = deque(maxlen=20)
         self._send, self._recv = trio.open_memory_channel[dict[str, Any]](math.inf)
@@ -62,10 +68,17 @@ class History:
                 "could not append %d line(s) to history %s: %s", len(records), self.path, exc
             )
 
+    def _open(self) -> int:
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        if self.dirs is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            return os.open(self.path, flags, 0o644)
+        return os.open(self.path.name, flags, 0o644, dir_fd=self.dirs.private(HISTORY))
+
     def _append(self, records: list[dict[str, Any]]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        new = not self.path.exists()
-        with open(self.path, "a", newline="") as out:
+        fd = self._open()
+        new = os.fstat(fd).st_size == 0
+        with open(fd, "a", newline="") as out:
             writer = csv.DictWriter(out, fieldnames=FIELDS)
             if new:
                 writer.writeheader()

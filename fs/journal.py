@@ -26,8 +26,10 @@ from typing import Any
 
 import trio
 
+from .beneath import check_rel
 from .cachedfile import Snapshot
-from .manifest import Chunk
+from .chunkstore import is_digest
+from .manifest import Chunk, is_file_id
 from .state import PageState
 
 log = logging.getLogger("ckptfs.journal")
@@ -71,6 +73,52 @@ def record_of(snap: Snapshot) -> dict[str, Any]:
 
 def chunks_of(items: list[list[Any]]) -> list[Chunk]:
     return [Chunk(int(o), int(n), str(h)) for o, n, h in items]
+
+
+def _is_int(value: object, lo: int = 0, hi: int = 1 << 63) -> bool:
+    return type(value) is int and lo <= value < hi
+
+
+def _chunks_ok(items: object) -> bool:
+    return isinstance(items, list) and all(
+        isinstance(c, list) and len(c) == 3 and _is_int(c[0]) and _is_int(c[1]) and is_digest(c[2])
+        for c in items
+    )
+
+
+def check_record(record: object) -> str | None:
+    """Why a journal record cannot be adopted as it is, or None. The journal
+    is the daemon's own (a private directory), but a record is checked
+    before recovery acts on it like anything else read back: a torn or
+    foreign one must cost its file, not the mount."""
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    if not is_file_id(record.get("file_id")) or not is_file_id(record.get("version")):
+        return "bad file id or version"
+    try:
+        check_rel(record["path"])
+        if "renamed_from" in record:
+            check_rel(record["renamed_from"])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return "bad path"
+    if not _is_int(record.get("size")) or not _is_int(record.get("mode")):
+        return "bad size or mode"
+    if not _is_int(record.get("mtime_ns"), -(1 << 63) * 10**9, (1 << 63) * 10**9):
+        return "bad mtime"
+    dirty, spilled = record.get("dirty"), record.get("spilled")
+    if not isinstance(dirty, dict) or not isinstance(spilled, dict):
+        return "bad page tables"
+    for page, entry in dirty.items():
+        if not page.isdigit() or not isinstance(entry, list) or len(entry) not in (2, 3):
+            return "bad dirty page"
+        if not all(_is_int(x) for x in entry):
+            return "bad dirty page"
+    for page, entry in spilled.items():
+        if not page.isdigit() or not _chunks_ok([entry[:3]]) or not _is_int(entry[3]):
+            return "bad spilled page"
+    if not _chunks_ok(record.get("base")) or not _is_int(record.get("base_end")):
+        return "bad chunk map"
+    return None
 
 
 class Journal:
@@ -172,8 +220,12 @@ class Journal:
         records = []
         for path in sorted(self.dir.glob("*.json")):
             try:
-                records.append(json.loads(path.read_text()))
-            except (OSError, ValueError) as exc:
+                record = json.loads(path.read_text())
+                why = check_record(record)
+                if why is not None:
+                    raise ValueError(why)
+                records.append(record)
+            except (OSError, ValueError, TypeError, IndexError) as exc:
                 log.error("cache journal %s is unreadable (%s); ignoring it", path, exc)
                 path.unlink(missing_ok=True)
         for path in self.dir.glob("*.tmp"):

@@ -12,14 +12,21 @@ replaces.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import json
 import os
+import re
 import secrets
+import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from . import beneath
+from .beneath import parent_dir
 
 MAGIC = b"CKPTFS-MANIFEST 1\n"
 HASH_NAME = "xxh3-128"
@@ -27,10 +34,62 @@ STATES = ("pending", "durable")
 # A manifest is small; anything larger at a path is a plain file that merely
 # happens to start with the magic bytes, and reading it whole would be wasteful.
 MAX_MANIFEST_BYTES = 64 << 20
+# What a manifest may say. Manifests are written by users too (a login
+# node's NFS mount, a copy, a forgery): every field is checked before
+# anything acts on it, and names that may become parts of paths (ids, chunk
+# hashes) are plain names.
+MAX_SIZE = 1 << 44  # the largest file ckptfs holds (cache.MAX_FILE_SIZE)
+MAX_HOLDERS = 64
+_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_CHUNKING = re.compile(r"[a-z0-9_-]{1,32}")
+_HASH = re.compile(r"[0-9a-f]{32}")
+# Times in ns: a FUSE time is a signed 64-bit count of seconds.
+_TIME_NS = (-(1 << 63) * 10**9, ((1 << 63) - 1) * 10**9)
 
 
 class ManifestError(ValueError):
     pass
+
+
+def is_file_id(value: object) -> bool:
+    """Whether ``value`` may be a file id or version: a plain name (it names
+    fences and journal records)."""
+    return isinstance(value, str) and _ID.fullmatch(value) is not None
+
+
+def _int(body: dict[str, object], key: str, lo: int, hi: int, where: str) -> int:
+    value = body[key]
+    # bool is an int to Python, and a float or a string would be truncated
+    # or parsed: only a JSON integer is one.
+    if type(value) is not int or not lo <= value <= hi:
+        raise ManifestError(f"{where}: {key} must be an integer in [{lo}, {hi}], not {value!r:.40}")
+    return value
+
+
+def _name(body: dict[str, object], key: str, pattern: re.Pattern[str], where: str) -> str:
+    value = body[key]
+    if not isinstance(value, str) or pattern.fullmatch(value) is None:
+        raise ManifestError(f"{where}: bad {key} {value!r:.80}")
+    return value
+
+
+def _holder(value: object, where: str) -> str:
+    """A node name, as the peers config allows one (peer/auth.py): compared
+    with configured names only, never part of a path."""
+    if not isinstance(value, str) or not value.isprintable() or not 0 < len(value) <= 255:
+        raise ManifestError(f"{where}: bad holder {value!r:.80}")
+    return value
+
+
+def _chunk(entry: object, where: str) -> Chunk:
+    if not isinstance(entry, list) or len(entry) != 3:
+        raise ManifestError(f"{where}: a chunk must be [offset, length, hash], not {entry!r:.80}")
+    fields = dict(zip(("offset", "length", "hash"), entry, strict=True))
+    return Chunk(
+        _int(fields, "offset", 0, MAX_SIZE, where),
+        _int(fields, "length", 1, MAX_SIZE, where),
+        _name(fields, "hash", _HASH, where),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,14 +115,25 @@ class Manifest:
     chunks: list[Chunk] = field(default_factory=list)
     chunking: str = "fixed"
     atime_ns: int | None = None  # absent in older manifests: then equal to mtime_ns
+    # Whether ckptfs wrote it: True for one made here; for one read from the
+    # store, whether its seal verified (see seal_of). Not part of the format.
+    sealed: bool = field(default=True, compare=False)
 
-    def to_bytes(self) -> bytes:
+    def to_bytes(self, key: bytes | None = None, owner: tuple[int, int] | None = None) -> bytes:
+        """The manifest file's bytes; with ``key``, sealed for a manifest
+        file owned by ``owner`` (uid, gid)."""
         body = asdict(self)
+        del body["sealed"]
         body["hash"] = HASH_NAME
         body["chunks"] = [[c.offset, c.length, c.hash] for c in self.chunks]
         if self.atime_ns is None:
             del body["atime_ns"]
-        return MAGIC + json.dumps(body, separators=(",", ":")).encode() + b"\n"
+        text = _dumps(body)
+        if key is not None:
+            assert owner is not None
+            body["mac"] = seal_of(key, text, owner)
+            text = _dumps(body)
+        return MAGIC + text + b"\n"
 
     def without_chunks(self) -> Manifest:
         """A copy without the chunk list and holders (what a check keeps)."""
@@ -83,28 +153,54 @@ class Manifest:
         return self.mtime_ns if self.atime_ns is None else self.atime_ns
 
     @classmethod
-    def from_bytes(cls, data: bytes, where: str = "manifest") -> Manifest:
+    def from_bytes(
+        cls,
+        data: bytes,
+        where: str = "manifest",
+        key: bytes | None = None,
+        owner: tuple[int, int] | None = None,
+    ) -> Manifest:
+        """The manifest in ``data``, every field checked (ManifestError);
+        ``sealed`` if ``key`` is given and its seal verifies for a manifest
+        file owned by ``owner``."""
         if not data.startswith(MAGIC):
             raise ManifestError(f"{where}: missing magic line")
         try:
             body = json.loads(data[len(MAGIC) :])
             if not isinstance(body, dict):
                 raise ManifestError(f"{where}: not a JSON object")
+            mac = body.pop("mac", None)
+            sealed = (
+                key is not None
+                and owner is not None
+                and isinstance(mac, str)
+                and hmac.compare_digest(mac, seal_of(key, _dumps(body), owner))
+            )
             if body.get("hash", HASH_NAME) != HASH_NAME:
                 raise ManifestError(f"{where}: unsupported hash {body['hash']!r}")
-            chunks = [Chunk(int(o), int(n), str(h)) for o, n, h in body.get("chunks", [])]
-            atime = body.get("atime_ns")
+            raw_chunks = body.get("chunks", [])
+            holders = body.get("holders", [])
+            if not isinstance(raw_chunks, list) or not isinstance(holders, list):
+                raise ManifestError(f"{where}: chunks and holders must be lists")
+            if len(holders) > MAX_HOLDERS:
+                raise ManifestError(f"{where}: more than {MAX_HOLDERS} holders")
+            body.setdefault("chunking", "fixed")
             manifest = cls(
-                file_id=str(body["file_id"]),
-                version=str(body["version"]),
-                size=int(body["size"]),
-                mode=int(body["mode"]),
-                mtime_ns=int(body["mtime_ns"]),
+                file_id=_name(body, "file_id", _ID, where),
+                version=_name(body, "version", _ID, where),
+                size=_int(body, "size", 0, MAX_SIZE, where),
+                mode=_int(body, "mode", 0, 0o177777, where),  # (used & 0o7777)
+                mtime_ns=_int(body, "mtime_ns", *_TIME_NS, where),
                 state=str(body["state"]),
-                holders=[str(h) for h in body.get("holders", [])],
-                chunks=chunks,
-                chunking=str(body.get("chunking", "fixed")),
-                atime_ns=None if atime is None else int(atime),
+                holders=[_holder(h, where) for h in holders],
+                chunks=[_chunk(c, where) for c in raw_chunks],
+                chunking=_name(body, "chunking", _CHUNKING, where),
+                atime_ns=(
+                    None
+                    if body.get("atime_ns") is None
+                    else _int(body, "atime_ns", *_TIME_NS, where)
+                ),
+                sealed=sealed,
             )
         except ManifestError:
             raise
@@ -133,32 +229,66 @@ class Manifest:
         return self.state == "durable" or self.size == 0
 
 
+def _dumps(body: dict[str, object]) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def seal_of(key: bytes, text: bytes, owner: tuple[int, int]) -> str:
+    """The seal of a manifest's JSON ``text`` (without its seal) in a file
+    owned by ``owner``: an HMAC under the backing store's key
+    (``.ckptfs/manifest.key``, which only the daemons' user reads).
+
+    Users can write manifests (a copy, an edit, a forgery naming another
+    file's id and version, from a login node's mount): the seal tells one
+    ckptfs wrote from one it did not, which is never acted on (served as the
+    plain file it is). The owner is part of it, since a manifest's owner is
+    the file's: a copy owned by someone else is another file."""
+    mac = hmac.new(key, text + f"\n{owner[0]}:{owner[1]}".encode(), hashlib.sha256)
+    return mac.hexdigest()[:32]
+
+
 def new_id() -> str:
     return secrets.token_hex(8)
 
 
-def read_manifest(path: str | os.PathLike[str], *, dir_fd: int | None = None) -> Manifest | None:
-    """Return the manifest at ``path``, or None if it is a plain file (blocking)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+def read_manifest(
+    path: str | os.PathLike[str], *, dir_fd: int | None = None, key: bytes | None = None
+) -> Manifest | None:
+    """Return the manifest at ``path``, or None if it is a plain file or not
+    a regular one (blocking). With ``dir_fd``, ``path`` is resolved beneath
+    it without following a symlink (beneath.py). With ``key``, its seal is
+    checked (``Manifest.sealed``)."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    if dir_fd is None:
+        fd = os.open(path, flags)
+    else:
+        with parent_dir(dir_fd, os.fspath(path)) as (dfd, name):
+            fd = os.open(name, flags, dir_fd=dfd)
     try:
-        return manifest_from_fd(fd, str(path))
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return manifest_from_fd(fd, str(path), key)
     finally:
         os.close(fd)
 
 
-def manifest_from_fd(fd: int, where: str) -> Manifest | None:
-    """The manifest in the open file ``fd`` (read from its start), or None."""
+def manifest_from_fd(
+    fd: int, where: str, key: bytes | None = None, st: os.stat_result | None = None
+) -> Manifest | None:
+    """The manifest in the open file ``fd`` (read from its start; ``st`` its
+    fstat if the caller has it), or None; sealed as from_bytes says."""
     head = os.pread(fd, len(MAGIC), 0)
     if head != MAGIC:
         return None
-    size = os.fstat(fd).st_size
+    st = st or os.fstat(fd)
+    size = st.st_size
     if size > MAX_MANIFEST_BYTES:
         return None
     parts, off = [head], len(head)
     while chunk := os.pread(fd, max(size - off, 1 << 16), off):
         parts.append(chunk)
         off += len(chunk)
-    return Manifest.from_bytes(b"".join(parts), where=where)
+    return Manifest.from_bytes(b"".join(parts), where, key, (st.st_uid, st.st_gid))
 
 
 class ParsedManifests:
@@ -179,17 +309,22 @@ class ParsedManifests:
 
     @staticmethod
     def identity(st: os.stat_result) -> tuple[int, ...]:
+        # A chown or chmod moves the ctime: the seal (owner) is checked again.
         return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
-    def read(self, fd: int, where: str, st: os.stat_result | None = None) -> Manifest | None:
+    def read(
+        self, fd: int, where: str, st: os.stat_result | None = None, seal: bytes | None = None
+    ) -> Manifest | None:
         """The manifest in ``fd`` (whose fstat is ``st``, if the caller has
-        it), parsed once per identity."""
-        key = self.identity(os.fstat(fd) if st is None else st)
+        it), parsed once per identity; its seal checked with ``seal`` (one
+        store's key per file: the identity names the file)."""
+        st = os.fstat(fd) if st is None else st
+        key = self.identity(st)
         with self._lock:
             if key in self._items:
                 self._items.move_to_end(key)
                 return self._items[key]
-        manifest = manifest_from_fd(fd, where)
+        manifest = manifest_from_fd(fd, where, seal, st)
         size = key[2]
         if size > self.max_bytes // 4:
             return manifest  # one huge manifest would push out everything else
@@ -229,8 +364,11 @@ def fsync_dir(fd: int) -> None:
 
 
 def open_dir(rel: str, dir_fd: int | None) -> int:
-    """An fd for directory ``rel`` (relative to ``dir_fd``; "" is ``dir_fd`` itself)."""
-    return os.open(rel or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
+    """An fd for directory ``rel``: beneath ``dir_fd`` without following a
+    symlink ("" is ``dir_fd`` itself), or, without ``dir_fd``, as given."""
+    if dir_fd is None:
+        return os.open(rel or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    return beneath.open_dir(dir_fd, rel)
 
 
 def write_manifest(
@@ -243,6 +381,7 @@ def write_manifest(
     abandoned: Callable[[], bool] = lambda: False,
     keep_dir_times: bool = False,
     dir_times: DirTimes | None = None,
+    key: bytes | None = None,
 ) -> None:
     """Atomically replace ``path`` with ``manifest`` (blocking).
 
@@ -259,15 +398,16 @@ def write_manifest(
     filesystem, the directory's mtime does not move (see DirTimes).
     ``dir_times``: one step of a longer rewrite whose caller keeps the
     times (``dir_times_kept``): the changes made here are counted as ours.
+    ``key``: the store's manifest key, to seal it with (see seal_of).
     """
     parent, name = os.path.split(os.fspath(path))
     dfd = open_dir(parent, dir_fd)
     try:
         if keep_dir_times:
             with dir_times_kept(dfd) as times:
-                _write_at(dfd, name, path, manifest, owner, sync, abandoned, times)
+                _write_at(dfd, name, path, manifest, owner, sync, abandoned, times, key)
         else:
-            _write_at(dfd, name, path, manifest, owner, sync, abandoned, dir_times)
+            _write_at(dfd, name, path, manifest, owner, sync, abandoned, dir_times, key)
         if sync:
             fsync_dir(dfd)
     finally:
@@ -283,6 +423,7 @@ def _write_at(
     sync: bool,
     abandoned: Callable[[], bool],
     times: DirTimes | None,
+    key: bytes | None = None,
 ) -> None:
     """write_manifest's temporary file and rename, in the directory ``dfd``."""
     ours = times.change if times is not None else contextlib.nullcontext
@@ -292,10 +433,11 @@ def _write_at(
     with ours():
         fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
     try:
-        write_all(fd, manifest.to_bytes())
         if owner is not None:
             os.fchown(fd, *owner)
         os.fchmod(fd, mode)  # after fchown, which may clear setuid/setgid
+        st = os.fstat(fd)  # the owner it has (a setgid directory's group, too): sealed with
+        write_all(fd, manifest.to_bytes(key, (st.st_uid, st.st_gid)))
         if sync:
             os.fsync(fd)
     except BaseException:

@@ -7,6 +7,9 @@ import hashlib
 import os
 from pathlib import Path
 
+from .beneath import NotPrivate, make_private_path
+from .storedirs import CHUNKS, StoreDirs
+
 
 class MountError(Exception):
     pass
@@ -58,12 +61,6 @@ def check_backing(backing: Path | None, mountpoint: Path) -> Path:
     try:
         probe.write_bytes(b"")
         probe.unlink()
-        (resolved / ".ckptfs" / "chunks").mkdir(parents=True, exist_ok=True)
-        # Chunks hold every file's bytes whatever the file's mode: only the
-        # daemon (and root's offline tools) may read them. Users read through
-        # the mount, where the manifest's owner and mode are enforced.
-        if os.geteuid() == 0:
-            os.chmod(resolved / ".ckptfs", 0o700)
     except OSError as exc:
         reason = (
             "permission denied"
@@ -71,15 +68,58 @@ def check_backing(backing: Path | None, mountpoint: Path) -> Path:
             else exc.strerror
         )
         raise MountError(f"backing directory {backing} is not writable: {reason}") from None
+    try:
+        dirs = StoreDirs(resolved)
+        try:
+            dirs.private(CHUNKS)
+            dirs.manifest_key()
+            if os.geteuid() == 0:
+                _check_root_acts_as_root(dirs)
+        finally:
+            dirs.close()
+    except NotPrivate as exc:
+        raise MountError(str(exc.strerror)) from None
+    except OSError as exc:
+        raise MountError(f"backing directory {backing}: {exc.strerror or exc}") from None
     return resolved
+
+
+def _check_root_acts_as_root(dirs: StoreDirs) -> None:
+    """The daemon runs as root and makes each user's files theirs (chown):
+    a store that does not let root do that (NFS root_squash, all_squash)
+    would leave every file the daemon's, or the squashed user's."""
+    name = f".squash-test.{os.getpid()}"
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
+                 dir_fd=dirs.private())  # fmt: skip
+    try:
+        made = os.fstat(fd)
+        try:
+            os.fchown(fd, 65534, 65534)
+            chowned = os.fstat(fd).st_uid == 65534
+        except PermissionError:
+            chowned = False
+    finally:
+        os.close(fd)
+        os.unlink(name, dir_fd=dirs.private())
+    if made.st_uid != 0 or not chowned:
+        raise MountError(
+            f"backing directory {dirs.root} does not let root act as root (files root makes "
+            f"there belong to uid {made.st_uid}{'' if chowned else ', and chown is refused'}: "
+            "NFS root_squash?): the daemon makes each user's files theirs; export it to the "
+            "nodes with no_root_squash, or run the daemon as the job's user"
+        )
 
 
 def check_cache_dir(cache_dir: Path, mountpoint: Path, size: int) -> None:
     """The cache budget must fit in cache.dir (tmpfs), counting an arena a
     previous daemon of this mount left there (its pages are already ours)."""
     try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
+        # The journal that recovery reads: a user who made the directory
+        # first would control it.
+        make_private_path(cache_dir)
         st = os.statvfs(cache_dir)
+    except NotPrivate as exc:
+        raise MountError(f"cache directory unsafe: {exc.strerror}") from None
     except OSError as exc:
         raise MountError(f"cache directory {cache_dir} is not usable: {exc.strerror}") from None
     arena = cache_dir / mount_id(mountpoint) / "arena"

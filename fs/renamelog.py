@@ -27,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .chunkstore import CKPTFS_DIR
+from .beneath import check_rel
 from .manifest import (
     Manifest,
     ManifestError,
@@ -38,10 +38,11 @@ from .manifest import (
     tmp_name,
     write_all,
 )
+from .storedirs import CKPTFS_DIR, RENAMED, StoreDirs
 
 log = logging.getLogger(__name__)
 
-RENAMED_DIR = f"{CKPTFS_DIR}/renamed"
+RENAMED_DIR = f"{CKPTFS_DIR}/{RENAMED}"  # for messages
 # Long enough for any flush to have ended (a store down for hours included):
 # a pending file needs the records of the renames that moved it until then.
 RECORD_TTL = 24 * 3600.0
@@ -62,29 +63,24 @@ def needs_record(kind: str, manifest: Manifest | None, node: str) -> bool:
     )
 
 
-def write_record(root_fd: int, old: str, new: str, node: str) -> None:
+def write_record(dirs: StoreDirs, old: str, new: str, node: str) -> None:
     """Record the rename of ``old`` to ``new`` (before doing it), durably."""
-    for d in (CKPTFS_DIR, RENAMED_DIR):
-        try:
-            os.mkdir(d, 0o700, dir_fd=root_fd)
-        except FileExistsError:
-            pass
-    dfd = os.open(RENAMED_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=root_fd)
+    dfd = dirs.private(RENAMED)
+    now = time.time_ns()
+    # The node's name is the operator's (config), but a name with a slash
+    # must not become a path.
+    name = f"{now:020d}-{node.replace('/', '_')}-{new_id()}"
+    tmp = tmp_name(name)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
     try:
-        now = time.time_ns()
-        name = f"{now:020d}-{node}-{new_id()}"
-        tmp = tmp_name(name)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=dfd)
-        try:
-            write_all(fd, json.dumps({"old": old, "new": new, "node": node}).encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-        fsync_dir(dfd)
-        _prune(dfd, now)
+        write_all(fd, json.dumps({"old": old, "new": new, "node": node}).encode())
+        os.fsync(fd)
     finally:
-        os.close(dfd)
+        os.close(fd)
+    os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+    fsync_dir(dfd)
+    _prune(dfd, now)
 
 
 def _prune(dfd: int, now_ns: int) -> None:
@@ -92,7 +88,7 @@ def _prune(dfd: int, now_ns: int) -> None:
         at = _time_of(name)
         try:
             if at is None:  # a temporary name a crash left: by its own age
-                at = os.stat(name, dir_fd=dfd).st_mtime_ns
+                at = os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mtime_ns
             if now_ns - at > RECORD_TTL * 1e9:
                 os.unlink(name, dir_fd=dfd)
         except FileNotFoundError:
@@ -131,20 +127,14 @@ class RenameLog:
         self._parsed: dict[str, RenameRecord | None] = {}
         self._lock = threading.Lock()  # store calls run in several threads
 
-    def records(self, root_fd: int) -> list[RenameRecord]:
-        try:
-            dfd = os.open(RENAMED_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=root_fd)
-        except FileNotFoundError:
-            return []
-        try:
-            names = os.listdir(dfd)
-        finally:
-            os.close(dfd)
+    def records(self, dirs: StoreDirs) -> list[RenameRecord]:
+        dfd = dirs.private(RENAMED)
+        names = os.listdir(dfd)
         with self._lock:
             for name in names:
                 if name not in self._parsed and _time_of(name) is not None:
                     try:
-                        self._parsed[name] = _read(root_fd, name)
+                        self._parsed[name] = _read(dfd, name)
                     except OSError as exc:  # read again next time: NFS hiccups pass
                         log.warning("rename record %s/%s not read: %s", RENAMED_DIR, name, exc)
             for name in set(self._parsed) - set(names):
@@ -152,7 +142,7 @@ class RenameLog:
             found = [r for r in self._parsed.values() if r is not None]
         return sorted(found, key=lambda r: (r.at_ns, r.name))
 
-    def follow(self, root_fd: int, path: str, file_id: str) -> str | None:
+    def follow(self, dirs: StoreDirs, path: str, file_id: str) -> str | None:
         """A path that recorded renames lead to from ``path`` where the
         manifest is ``file_id``'s; None if there is none.
 
@@ -165,7 +155,7 @@ class RenameLog:
         nothing, never a wrong file)."""
         # Newest first: the rename that moved it is most likely recent (a
         # job renaming tmp to step_N at each save leaves a record per save).
-        records = self.records(root_fd)[::-1]
+        records = self.records(dirs)[::-1]
         seen = {path}
         frontier = [path]
         while frontier:
@@ -179,25 +169,29 @@ class RenameLog:
                 seen.add(moved)
                 frontier.append(moved)
                 try:
-                    m = read_manifest(moved, dir_fd=root_fd)
-                except (OSError, ManifestError):
+                    m = read_manifest(moved, dir_fd=dirs.root_fd, key=dirs.manifest_key())
+                except (OSError, ManifestError, ValueError):
                     continue
-                if m is not None and m.file_id == file_id:
+                if m is not None and m.sealed and m.file_id == file_id:
                     return moved
         return None
 
 
-def _read(root_fd: int, name: str) -> RenameRecord | None:
-    """The record ``name``; None (for good) if it does not parse. OSError
-    if it cannot be read now."""
-    fd = os.open(f"{RENAMED_DIR}/{name}", os.O_RDONLY | os.O_CLOEXEC, dir_fd=root_fd)
+def _read(dfd: int, name: str) -> RenameRecord | None:
+    """The record ``name`` in the directory ``dfd``; None (for good) if it
+    does not parse, or names a path that is not beneath the backing root.
+    OSError if it cannot be read now."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
     try:
         raw = os.read(fd, 1 << 16)
     finally:
         os.close(fd)
     try:
         body = json.loads(raw)
-        return RenameRecord(int(name.split("-", 1)[0]), name, str(body["old"]), str(body["new"]))
+        old, new = body["old"], body["new"]
+        if not isinstance(old, str) or not isinstance(new, str) or not old or not new:
+            raise ValueError("old and new must be non-empty strings")
+        return RenameRecord(int(name.split("-", 1)[0]), name, check_rel(old), check_rel(new))
     except (ValueError, KeyError, TypeError) as exc:
         log.warning("rename record %s/%s unreadable, ignored: %s", RENAMED_DIR, name, exc)
         return None

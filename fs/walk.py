@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .chunkstore import CKPTFS_DIR
-from .manifest import is_tmp_name
+from .manifest import Manifest, is_tmp_name, read_manifest
+from .storedirs import CKPTFS_DIR
 
 
 @dataclass(frozen=True)
@@ -49,18 +49,44 @@ def skipped_name(name: str) -> bool:
     return name == CKPTFS_DIR or is_tmp_name(name)
 
 
+@dataclass(frozen=True)
+class Found:
+    """A regular file a walk found: its path (for messages) and, to open or
+    stat it, its directory's descriptor (valid until the walk moves on) and
+    its name there. Reached through descriptors only: a directory a user
+    swapped for a symlink while the walk ran leads nowhere."""
+
+    path: Path
+    dir_fd: int
+    name: str
+
+    def read_manifest(self, key: bytes | None = None) -> Manifest | None:
+        return read_manifest(self.name, dir_fd=self.dir_fd, key=key)
+
+    def stat(self) -> os.stat_result:
+        return os.stat(self.name, dir_fd=self.dir_fd, follow_symlinks=False)
+
+
 def walk_files(
     top: Path,
     *,
     include_tmp: bool = False,
     errors: list[Problem] | None = None,
-) -> Iterator[Path]:
-    """Regular files at or under ``top``, sorted, without following symlinks.
+) -> Iterator[Found]:
+    """Regular files at or under ``top`` (the operator's path), sorted,
+    through directory descriptors, never following a symlink (os.fwalk).
 
     ``.ckptfs`` directories are skipped, and temporary manifest names unless
     ``include_tmp``. A directory that cannot be read raises, or is recorded in
     ``errors`` if given: the caller decides whether a partial walk is enough.
     """
+
+    def failed(exc: OSError) -> None:
+        where = Path(exc.filename) if exc.filename else top
+        if errors is None:
+            raise exc
+        errors.append(Problem(where, f"cannot list directory: {exc.strerror or exc}"))
+
     try:
         st = os.lstat(top)
     except OSError as exc:
@@ -69,34 +95,30 @@ def walk_files(
         errors.append(Problem(top, f"cannot stat: {exc.strerror or exc}"))
         return
     if stat.S_ISREG(st.st_mode):
-        yield top
+        fd = os.open(top.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            yield Found(top, fd, top.name)
+        finally:
+            os.close(fd)
         return
     if not stat.S_ISDIR(st.st_mode):
         return
-    try:
-        with os.scandir(top) as it:
-            entries = sorted(it, key=lambda e: e.name)
-    except OSError as exc:
-        if errors is None:
-            raise
-        errors.append(Problem(top, f"cannot list directory: {exc.strerror or exc}"))
-        return
-    for entry in entries:
-        if entry.name == CKPTFS_DIR or (is_tmp_name(entry.name) and not include_tmp):
-            continue
-        path = top / entry.name
-        try:
-            is_dir = entry.is_dir(follow_symlinks=False)
-            is_file = entry.is_file(follow_symlinks=False)
-        except OSError as exc:
-            if errors is None:
-                raise
-            errors.append(Problem(path, f"cannot stat: {exc.strerror or exc}"))
-            continue
-        if is_dir:
-            yield from walk_files(path, include_tmp=include_tmp, errors=errors)
-        elif is_file:
-            yield path
+    for dirpath, dirnames, filenames, dfd in os.fwalk(top, onerror=failed):
+        dirnames[:] = sorted(d for d in dirnames if d != CKPTFS_DIR)
+        for name in sorted(filenames):
+            if name == CKPTFS_DIR or (is_tmp_name(name) and not include_tmp):
+                continue
+            try:
+                file_st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # removed meanwhile
+            except OSError as exc:
+                if errors is None:
+                    raise
+                errors.append(Problem(Path(dirpath) / name, f"cannot stat: {exc.strerror or exc}"))
+                continue
+            if stat.S_ISREG(file_st.st_mode):
+                yield Found(Path(dirpath) / name, dfd, name)
 
 
 def resolve_under(backing: Path, path: Path | None) -> Path:

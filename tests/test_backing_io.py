@@ -4,6 +4,7 @@ and manifests that are never torn."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import stat
 import threading
@@ -21,23 +22,49 @@ def open_fds() -> set[int]:
     return {int(n) for n in os.listdir("/proc/self/fd")}
 
 
-def test_an_open_abandoned_at_its_timeout_closes_its_fd_when_it_completes(tmp_path: Path):
-    os.mkfifo(tmp_path / "fifo")  # opening it for reading blocks, like a hung NFS server
+def test_an_open_abandoned_at_its_timeout_closes_its_fd_when_it_completes(
+    tmp_path: Path, monkeypatch
+):
+    (tmp_path / "slow").write_bytes(b"x")
+    release = threading.Event()
+    real_open = os.open
+
+    def hung_open(path, *args, **kwargs):  # like a hung NFS server, until released
+        if path == "slow":
+            release.wait(10)
+        return real_open(path, *args, **kwargs)
 
     async def main() -> None:
         backing = Backing(tmp_path, BackingIO(timeout=0.5))
         before = open_fds()
+        monkeypatch.setattr(os, "open", hung_open)
         with pytest.raises(OSError):
+            await backing.open_plain("slow")
+        # The thread's open completes once the store answers: its fd must not leak.
+        release.set()
+        deadline = time.monotonic() + 5
+        while open_fds() - before and time.monotonic() < deadline:
+            await trio.sleep(0.02)
+        assert open_fds() - before == set()
+
+    trio.run(main)
+
+
+def test_a_fifo_or_device_in_the_store_is_never_opened(tmp_path: Path):
+    """A user can put a FIFO into the backing directory (from a login node):
+    opening it would block a store thread until the timeout; a device would
+    open the node's own device. Neither is a file ckptfs serves."""
+    os.mkfifo(tmp_path / "fifo")
+
+    async def main() -> None:
+        backing = Backing(tmp_path, BackingIO(timeout=5))
+        start = time.monotonic()
+        with pytest.raises(OSError) as exc:
             await backing.open_plain("fifo")
-        # The thread's open completes once a writer shows up: its fd must not leak.
-        writer = os.open(tmp_path / "fifo", os.O_WRONLY | os.O_NONBLOCK)
-        try:
-            deadline = time.monotonic() + 5
-            while open_fds() - before - {writer} and time.monotonic() < deadline:
-                await trio.sleep(0.02)
-            assert open_fds() - before - {writer} == set()
-        finally:
-            os.close(writer)
+        assert exc.value.errno == errno.ESTALE
+        assert time.monotonic() - start < 1
+        entry = await backing.entry("fifo")
+        assert entry.kind == "plain" and stat.S_ISFIFO(entry.st.st_mode)
 
     trio.run(main)
 

@@ -21,8 +21,9 @@ import trio
 from ckptfs.fs.cachedfile import CachedFile, ChunkMap
 from ckptfs.fs.filesystem import Caller, FsError
 from ckptfs.fs.inodes import ROOT
-from ckptfs.fs.manifest import Manifest, new_id, write_manifest
+from ckptfs.fs.manifest import Manifest, new_id
 from ckptfs.fs.state import FileRole
+from conftest import write_store_manifest
 from lifecycle_harness import Harness
 from test_getattr import CALLER, close, opened
 
@@ -263,7 +264,7 @@ def test_an_open_of_a_version_whose_mirror_here_was_dropped_is_sent_back_once(
     data = random.randbytes(cache.page_size + 904)
     fid, mid = new_id(), "m0"
     m = Manifest(fid, new_id(), len(data), 0o644, time.time_ns(), "pending", ["n1", "model"])
-    write_manifest(h.backing / "r.pt", m)
+    write_store_manifest(h.backing / "r.pt", m)
     page = cache.page_size
     mirror_page = functools.partial(cache.mirror_page, timeout=1)
     for p, part in enumerate((data[:page], data[page:])):

@@ -24,7 +24,8 @@ from ckptfs.fs import backing as backing_mod
 from ckptfs.fs.chunkstore import ChunkStore, chunk_hash
 from ckptfs.fs.filesystem import Caller, SetAttr
 from ckptfs.fs.inodes import ROOT
-from ckptfs.fs.manifest import Chunk, Manifest, new_id, read_manifest, write_manifest
+from ckptfs.fs.manifest import Chunk, Manifest, new_id, read_manifest
+from conftest import write_store_manifest
 from lifecycle_harness import Harness
 from test_name_races import save
 
@@ -40,10 +41,10 @@ class StatCounter:
         self.calls = 0
         real = backing.entry
 
-        async def entry(path: str):  # type: ignore[no-untyped-def]
+        async def entry(path: str, *args):  # type: ignore[no-untyped-def]
             if path == rel:
                 self.calls += 1
-            return await real(path)
+            return await real(path, *args)
 
         backing.entry = entry  # type: ignore[method-assign]
 
@@ -73,7 +74,7 @@ def rewrite_elsewhere(h: Harness, name: str, data: bytes) -> None:
     """Another node's flush: a new durable version of the same file at the name."""
     m = read_manifest(h.backing / name)
     ChunkStore(h.backing).put(chunk_hash(data), data)
-    write_manifest(
+    write_store_manifest(
         h.backing / name,
         Manifest(
             m.file_id, new_id(), len(data), 0o644, time.time_ns(), "durable", ["other"],
@@ -180,9 +181,9 @@ def test_a_check_is_as_old_as_the_read_that_made_it(h: Harness, monkeypatch) -> 
     close(h, fh)
     real = backing_mod.PARSED.read
 
-    def slow(fd: int, rel: str, st: os.stat_result | None = None):  # type: ignore[no-untyped-def]
+    def slow(fd: int, rel: str, *args):  # type: ignore[no-untyped-def]
         time.sleep(h.config.open_recheck + 0.05)
-        return real(fd, rel, st)
+        return real(fd, rel, *args)
 
     monkeypatch.setattr(backing_mod.PARSED, "read", slow)
     h.call(fs.lookup, ROOT, "model.pt")

@@ -21,8 +21,8 @@ from types import SimpleNamespace
 
 import torch
 from ckptfs.fs.chunkstore import ChunkStore, chunk_hash
-from ckptfs.fs.manifest import Chunk, Manifest, new_id, read_manifest, write_manifest
-from conftest import wait_for
+from ckptfs.fs.manifest import Chunk, Manifest, new_id, read_manifest
+from conftest import wait_for, write_store_manifest
 
 MiB = 1 << 20
 
@@ -149,7 +149,7 @@ def _rewrite_elsewhere(backing: Path, rel: str, data: bytes) -> None:
     manifest = read_manifest(backing / rel)
     assert manifest is not None
     ChunkStore(backing).put(chunk_hash(data), data)
-    write_manifest(
+    write_store_manifest(
         backing / rel,
         Manifest(
             manifest.file_id, new_id(), len(data), 0o644, time.time_ns(), "durable", ["other"],
@@ -298,7 +298,7 @@ def test_check_reports_pending_files_and_fails_for_those_no_daemon_holds(mounts)
         out = m.cli("check", str(m.backing)).stdout
         assert "writing.bin: pending" in out and "held by the running daemon" in out, out
     # Naming this node, which never had its bytes (its writer's daemon died).
-    write_manifest(
+    write_store_manifest(
         m.backing / "ghost.pt",
         Manifest("g" * 16, "w" * 16, 1000, 0o644, 0, "pending", [m.stat()["node"]]),
     )
@@ -308,7 +308,7 @@ def test_check_reports_pending_files_and_fails_for_those_no_daemon_holds(mounts)
     # Naming this node and one that does not serve the backing directory
     # here (the writer on another machine, its buddy here without the
     # bytes): the holder not asked may have them, so a warning, not "lost".
-    write_manifest(
+    write_store_manifest(
         m.backing / "ghost.pt",
         Manifest("g" * 16, "w" * 16, 1000, 0o644, 0, "pending", ["n-far", m.stat()["node"]]),
     )
@@ -317,7 +317,7 @@ def test_check_reports_pending_files_and_fails_for_those_no_daemon_holds(mounts)
     assert "ckptfs: warning: " in proc.stdout and "n-far do not serve" in proc.stdout
     assert "ghost.pt" in proc.stdout and "lost" not in proc.stdout, proc.stdout
     (m.backing / "ghost.pt").unlink()
-    write_manifest(
+    write_store_manifest(
         m.backing / "orphan.pt",
         Manifest("f" * 16, "v" * 16, 1000, 0o644, 0, "pending", ["gone-node"]),
     )

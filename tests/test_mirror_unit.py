@@ -21,11 +21,12 @@ from ckptfs.fs.cache import Cache
 from ckptfs.fs.cachedfile import CachedFile, ChunkMap
 from ckptfs.fs.chunkstore import ChunkStore
 from ckptfs.fs.journal import Journal, record_of
-from ckptfs.fs.manifest import MAGIC, Chunk, Manifest, new_id, read_manifest, write_manifest
+from ckptfs.fs.manifest import MAGIC, Chunk, Manifest, new_id, read_manifest
 from ckptfs.fs.state import FileRole, FileState, MirrorState, PageState, Published
 from ckptfs.peer.mirror import COMMIT, PAGE, MirrorClient, MirrorServer, page_digest
 from ckptfs.peer.reads import MOVED_ON, READ, ReadServer
 from ckptfs.peer.transport import Request, Response
+from conftest import write_store_manifest
 
 MiB = 1 << 20
 
@@ -40,18 +41,22 @@ def durable(file_id: str, version: str) -> Manifest:
 
 def test_a_takeover_publishes_only_over_the_version_it_mirrored(tmp_path: Path):
     (tmp_path / "d").mkdir()
-    write_manifest(tmp_path / "d" / "a.pt", pending("f1", "v1", ["n1", "n2"]))
+    write_store_manifest(
+        tmp_path / "d" / "a.pt",
+        pending("f1", "v1", ["n1", "n2"]),
+        backing=tmp_path,
+    )
 
     async def main() -> None:
         b = Backing(tmp_path, BackingIO(5))
         # Another version there (the writer published a newer one): it stays.
-        write_manifest(tmp_path / "d" / "a.pt", pending("f1", "v2", ["n1"]))
+        write_store_manifest(tmp_path / "d" / "a.pt", pending("f1", "v2", ["n1"]), backing=tmp_path)
         r = await b.takeover_manifest("d/a.pt", durable("f1", "v1"), file_id="f1",
                                       expect_version="v1")  # fmt: skip
         assert r is Published.STALE
         assert read_manifest(tmp_path / "d" / "a.pt").version == "v2"
         # Another file at the name: not ours.
-        write_manifest(tmp_path / "d" / "a.pt", pending("f9", "v1", ["n3"]))
+        write_store_manifest(tmp_path / "d" / "a.pt", pending("f9", "v1", ["n3"]), backing=tmp_path)
         r = await b.takeover_manifest("d/a.pt", durable("f1", "v1"), file_id="f1",
                                       expect_version="v1")  # fmt: skip
         assert r is Published.NAME_GONE
@@ -73,7 +78,12 @@ def test_a_takeover_publishes_only_over_the_version_it_mirrored(tmp_path: Path):
         assert r is Published.NAME_GONE
         assert os.listdir(tmp_path / ".ckptfs" / "fence") == []
         # Exactly the mirrored version: published, owner kept, no leftovers.
-        write_manifest(tmp_path / "d" / "a.pt", pending("f1", "v1", ["n1", "n2"]), owner=(7, 8))
+        write_store_manifest(
+            tmp_path / "d" / "a.pt",
+            pending("f1", "v1", ["n1", "n2"]),
+            owner=(7, 8),
+            backing=tmp_path,
+        )
         r = await b.takeover_manifest("d/a.pt", durable("f1", "v1"), file_id="f1",
                                       expect_version="v1")  # fmt: skip
         assert r is Published.DONE
@@ -95,8 +105,12 @@ def test_a_takeover_publish_keeps_its_directory_times(tmp_path: Path):
     d = tmp_path / "checkpoint-4"
     d.mkdir()
     t = 1_700_000_000_000_000_000
-    write_manifest(d / "a.pt", pending("f1", "v1", ["n1", "n2"]))
-    write_manifest(d / "b.pt", pending("f2", "v2", ["n1"]))  # a newer version than mirrored
+    write_store_manifest(d / "a.pt", pending("f1", "v1", ["n1", "n2"]), backing=tmp_path)
+    write_store_manifest(
+        d / "b.pt",
+        pending("f2", "v2", ["n1"]),
+        backing=tmp_path,
+    )  # a newer version than mirrored
     os.utime(d, ns=(t, t))
 
     async def main() -> None:
@@ -127,7 +141,11 @@ def test_a_change_by_another_node_during_a_takeover_moves_the_directory_mtime(
         (tmp_path / "d" / "extra.json").write_bytes(b"{}")  # meanwhile, elsewhere
 
     (tmp_path / "d").mkdir()
-    write_manifest(tmp_path / "d" / "a.pt", pending("f1", "v1", ["n1", "n2"]))
+    write_store_manifest(
+        tmp_path / "d" / "a.pt",
+        pending("f1", "v1", ["n1", "n2"]),
+        backing=tmp_path,
+    )
     os.utime(tmp_path / "d", ns=(t, t))
     monkeypatch.setattr(backing_mod, "write_manifest", write_then_another_node_creates)
 
@@ -145,16 +163,16 @@ def test_a_change_by_another_node_during_a_takeover_moves_the_directory_mtime(
 def _race(tmp_path: Path, monkeypatch, writer_publishes) -> tuple[Published, Published]:
     """Run a takeover of v1 and stop it right after it moved the manifest
     aside; ``writer_publishes(backing)`` runs then, in that instant."""
-    write_manifest(tmp_path / "a.pt", pending("f1", "v1", ["n1", "n2"]))
+    write_store_manifest(tmp_path / "a.pt", pending("f1", "v1", ["n1", "n2"]), backing=tmp_path)
     moved_aside = threading.Event()
     carry_on = threading.Event()
     real_read = backing_mod.read_manifest
 
-    def slow_read(path, *, dir_fd=None):  # the takeover's read of the moved-aside manifest
+    def slow_read(path, **kwargs):  # the takeover's read of the moved-aside manifest
         if ".ckptfs-tmp." in str(path) and not moved_aside.is_set():
             moved_aside.set()
             assert carry_on.wait(10)
-        return real_read(path, dir_fd=dir_fd)
+        return real_read(path, **kwargs)
 
     monkeypatch.setattr(backing_mod, "read_manifest", slow_read)
     results: dict[str, Published] = {}
@@ -193,7 +211,9 @@ def test_a_publish_that_lands_while_the_name_is_aside_wins(tmp_path: Path, monke
     moved aside: the takeover's link(2) fails and V2 stays."""
 
     async def rename_in(b: Backing) -> Published:
-        await trio.to_thread.run_sync(write_manifest, tmp_path / "a.pt", pending("f1", "v2", []))
+        await trio.to_thread.run_sync(
+            write_store_manifest, tmp_path / "a.pt", pending("f1", "v2", []), tmp_path
+        )
         return Published.DONE
 
     takeover, _ = _race(tmp_path, monkeypatch, rename_in)

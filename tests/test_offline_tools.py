@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 from ckptfs.fs.chunking import plan_chunks
 from ckptfs.fs.chunkstore import CKPTFS_DIR, ChunkStore, chunk_hash
-from ckptfs.fs.manifest import MAGIC, Chunk, Manifest, new_id, tmp_name_for, write_manifest
+from ckptfs.fs.manifest import MAGIC, Chunk, Manifest, new_id, tmp_name_for
 from ckptfs.fs.retention import apply_retention
 from ckptfs.tools import gc as gc_module
 from ckptfs.tools.check import check
 from ckptfs.tools.export import export
 from ckptfs.tools.gc import collect_garbage
+from conftest import write_store_manifest
 
 torch = pytest.importorskip("torch")
 
@@ -56,7 +57,7 @@ def store_file(backing: Path, rel: str, data: bytes, *, state: str = "durable") 
     )
     path = backing / rel
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_manifest(path, manifest, sync=False)
+    write_store_manifest(path, manifest, backing, sync=False)
     return manifest
 
 
@@ -437,7 +438,7 @@ def test_format_doc_script_reassembles_a_sparse_file_with_its_times(
         new_id(), new_id(), size, 0o100600, 1_600_000_000_000_000_007, "durable", ["n1"],
         chunks, "fixed", atime_ns=1_500_000_000_000_000_003,
     )  # fmt: skip
-    write_manifest(backing / "sparse.bin", manifest, sync=False)
+    write_store_manifest(backing / "sparse.bin", manifest, backing, sync=False)
     out = tmp_path / "sparse.bin"
     namespace["reassemble"](str(backing), str(backing / "sparse.bin"), str(out))  # type: ignore[operator]
     expected = bytearray(size)

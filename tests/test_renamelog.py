@@ -9,8 +9,10 @@ import time
 from pathlib import Path
 
 from ckptfs.fs import renamelog
-from ckptfs.fs.manifest import Manifest, write_manifest
+from ckptfs.fs.manifest import Manifest
 from ckptfs.fs.renamelog import RENAMED_DIR, RenameLog, needs_record, write_record
+from ckptfs.fs.storedirs import StoreDirs
+from conftest import write_store_manifest
 
 
 def pending(file_id: str, holders: list[str]) -> Manifest:
@@ -27,17 +29,25 @@ def test_recorded_are_directories_and_other_nodes_pending_files():
     assert not needs_record("plain", None, "n2") and not needs_record("symlink", None, "n2")
 
 
-def rename(root: int, old: str, new: str, node: str = "n2") -> None:
+def rename(root: StoreDirs, old: str, new: str, node: str = "n2") -> None:
     write_record(root, old, new, node)
-    os.rename(old, new, src_dir_fd=root, dst_dir_fd=root)
+    os.rename(old, new, src_dir_fd=root.root_fd, dst_dir_fd=root.root_fd)
 
 
 def test_a_flusher_follows_directory_and_file_renames_to_its_file(tmp_path: Path):
-    root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    root = StoreDirs(tmp_path)
     try:
         (tmp_path / "ckpt.tmp").mkdir()
-        write_manifest(tmp_path / "ckpt.tmp" / "shard0.pt.tmp", pending("f1", ["n1"]))
-        write_manifest(tmp_path / "ckpt.tmp" / "shard1.pt", pending("f2", ["n1"]))
+        write_store_manifest(
+            tmp_path / "ckpt.tmp" / "shard0.pt.tmp",
+            pending("f1", ["n1"]),
+            backing=tmp_path,
+        )
+        write_store_manifest(
+            tmp_path / "ckpt.tmp" / "shard1.pt",
+            pending("f2", ["n1"]),
+            backing=tmp_path,
+        )
         log = RenameLog()
         assert log.follow(root, "ckpt.tmp/shard1.pt", "f2") is None  # nothing renamed yet
         rename(root, "ckpt.tmp/shard0.pt.tmp", "ckpt.tmp/shard0.pt")
@@ -51,7 +61,11 @@ def test_a_flusher_follows_directory_and_file_renames_to_its_file(tmp_path: Path
         # renamed over the last one (the older records match its path too).
         os.rename(tmp_path / "ckpt", tmp_path / "old")
         (tmp_path / "ckpt.tmp").mkdir()
-        write_manifest(tmp_path / "ckpt.tmp" / "shard1.pt", pending("f3", ["n1"]))
+        write_store_manifest(
+            tmp_path / "ckpt.tmp" / "shard1.pt",
+            pending("f3", ["n1"]),
+            backing=tmp_path,
+        )
         rename(root, "ckpt.tmp", "ckpt")
         rename(root, "ckpt/shard1.pt", "ckpt/model.pt")
         assert log.follow(root, "ckpt.tmp/shard1.pt", "f3") == "ckpt/model.pt"
@@ -60,11 +74,11 @@ def test_a_flusher_follows_directory_and_file_renames_to_its_file(tmp_path: Path
         assert log.follow(root, "ckpt.tmp/shard1.pt", "f3") == "ckpt/model.pt"
         assert [p.name for p in (tmp_path / RENAMED_DIR).iterdir() if p.name.startswith(".")] == []
     finally:
-        os.close(root)
+        root.close()
 
 
 def test_records_older_than_the_ttl_are_removed_by_the_next_writer(tmp_path: Path, monkeypatch):
-    root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    root = StoreDirs(tmp_path)
     try:
         (tmp_path / "a").mkdir()
         write_record(root, "a", "b", "n1")
@@ -75,14 +89,14 @@ def test_records_older_than_the_ttl_are_removed_by_the_next_writer(tmp_path: Pat
         (young,) = os.listdir(tmp_path / RENAMED_DIR)
         assert young != old and "-n2-" in young
     finally:
-        os.close(root)
+        root.close()
 
 
 def test_the_follow_needs_no_order_and_ignores_records_of_renames_that_failed(tmp_path: Path):
     """Record names start with the writing node's clock: n2's clock ahead of
     n3's puts n2's (earlier) rename after n3's (later) one. A record whose
     rename then failed (ENOTEMPTY) names a move that never happened."""
-    root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    root = StoreDirs(tmp_path)
     try:
         d = tmp_path / RENAMED_DIR
         d.mkdir(parents=True)
@@ -91,11 +105,11 @@ def test_the_follow_needs_no_order_and_ignores_records_of_renames_that_failed(tm
             (d / f"{at_ns:020d}-{node}-x").write_text(json.dumps({"old": old, "new": new}))
 
         (tmp_path / "done").mkdir()
-        write_manifest(tmp_path / "done" / "x.pt", pending("f1", ["n1"]))
+        write_store_manifest(tmp_path / "done" / "x.pt", pending("f1", ["n1"]), backing=tmp_path)
         record(2_000, "n2", "tmp", "final")  # first, by a clock 2 s ahead
         record(1_000, "n3", "final", "done")  # then, by a clock behind
         record(500, "n4", "tmp", "nowhere")  # a rename that failed
         log = RenameLog()
         assert log.follow(root, "tmp/x.pt", "f1") == "done/x.pt"
     finally:
-        os.close(root)
+        root.close()

@@ -10,17 +10,18 @@ import os
 import subprocess
 
 import pytest
-from ckptfs.fs.manifest import Manifest, read_manifest, write_manifest
-from conftest import wait_for
+from ckptfs.fs.manifest import Manifest, read_manifest
+from conftest import wait_for, write_store_manifest
 
 
 def test_lost_file_reads_eio_and_refuses_partial_rewrites(mounts):
     m = mounts()
     m.backing.mkdir(parents=True, exist_ok=True)
     # A file another node closed but never flushed, and that node is gone.
-    write_manifest(
+    write_store_manifest(
         m.backing / "orphan.pt",
         Manifest("f" * 16, "v" * 16, 1000, 0o644, 0, "pending", ["gone-node"]),
+        m.backing,
     )
     m.mount()
     m.allowed_log = ["is lost", "bytes lost", "its bytes are lost"]

@@ -10,13 +10,12 @@ question (the CLI asks the control sockets); this module reads only files.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..fs.chunkstore import ChunkCorrupt, ChunkStore
-from ..fs.manifest import ManifestError, read_manifest
+from ..fs.manifest import ManifestError
 from ..fs.walk import Problem, chunk_problem, resolve_under, walk_files
 
 
@@ -59,12 +58,14 @@ def check(backing: Path, path: Path | None = None, *, verify_data: bool = True) 
     """
     backing = Path(backing)
     top = resolve_under(backing, path)
-    store = ChunkStore(backing)
+    store = ChunkStore(backing, create=False)
+    seal = _key(store)
     result = CheckResult()
     verdicts: dict[tuple[str, int], str | None] = {}  # (hash, length) -> problem or None
-    for file in walk_files(top, errors=result.problems):
+    for found in walk_files(top, errors=result.problems):
+        file = found.path
         try:
-            manifest = read_manifest(file)
+            manifest = found.read_manifest(seal)
         except FileNotFoundError:
             continue  # removed meanwhile
         except (ManifestError, OSError) as exc:
@@ -73,10 +74,21 @@ def check(backing: Path, path: Path | None = None, *, verify_data: bool = True) 
         if manifest is None:
             result.plain += 1
             continue
+        if seal is not None and not manifest.sealed:
+            # Served as a plain file through the mount: never acted on.
+            result.problems.append(
+                Problem(
+                    file,
+                    "a manifest ckptfs did not write, or one changed outside it (its seal "
+                    "does not verify): served as the plain file it is; remove it if it is "
+                    "not wanted",
+                )
+            )
+            continue
         result.manifests += 1
         if manifest.state != "durable":
             try:
-                age = max(0.0, time.time() - os.stat(file).st_mtime)
+                age = max(0.0, time.time() - found.stat().st_mtime)
             except OSError:
                 age = 0.0
             result.pending.append(
@@ -102,6 +114,15 @@ def check(backing: Path, path: Path | None = None, *, verify_data: bool = True) 
     return result
 
 
+def _key(store: ChunkStore) -> bytes | None:
+    """The store's manifest key; None for a tree without one (no daemon
+    ever mounted it: nothing is sealed, nothing is checked for it)."""
+    try:
+        return store.dirs.manifest_key()
+    except FileNotFoundError:
+        return None
+
+
 def _check_chunk(store: ChunkStore, digest: str, length: int, verify_data: bool) -> str | None:
     if verify_data:
         try:
@@ -112,7 +133,7 @@ def _check_chunk(store: ChunkStore, digest: str, length: int, verify_data: bool)
             return f"cannot read {store.path_for(digest)}: {exc.strerror or exc}"
         return None
     try:
-        size = os.stat(store.path_for(digest)).st_size
+        size = store.size_of(digest)
     except FileNotFoundError:
         return f"is missing from {store.path_for(digest)}"
     except OSError as exc:

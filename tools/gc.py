@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..fs.chunkstore import ChunkStore
-from ..fs.manifest import ManifestError, is_tmp_name, read_manifest
+from ..fs.manifest import ManifestError, is_tmp_name
 from ..fs.walk import Problem, walk_files
 
 _CHUNK_NAME = re.compile(r"[0-9a-f]{32}")
@@ -55,9 +55,12 @@ def collect_garbage(backing: Path, grace_seconds: float = 3600, dry_run: bool = 
     if grace_seconds < 0:
         raise ValueError(f"grace_seconds must not be negative, got {grace_seconds}")
     backing = Path(backing)
-    store = ChunkStore(backing)
+    store = ChunkStore(backing, create=False)
     if not store.root.is_dir():
         raise FileNotFoundError(f"{backing} has no chunk store ({store.root} is missing)")
+    # Only a store no user may change is walked and pruned by path (a
+    # .ckptfs a user made a symlink would lead the removals elsewhere).
+    store.fd  # noqa: B018 (NotPrivate, naming it, if it is not)
     result = GcResult(dry_run=dry_run, cutoff=time.time() - grace_seconds)
     referenced = _referenced_chunks(backing, grace_seconds, result)
     result.referenced = len(referenced)
@@ -87,11 +90,14 @@ def collect_garbage(backing: Path, grace_seconds: float = 3600, dry_run: bool = 
 
 def _referenced_chunks(backing: Path, grace_seconds: float, result: GcResult) -> set[str]:
     referenced: set[str] = set()
-    for path in walk_files(backing, include_tmp=True, errors=result.problems):
+    for found in walk_files(backing, include_tmp=True, errors=result.problems):
+        path = found.path
         tmp = is_tmp_name(path.name)
         try:
-            st = os.stat(path)
-            manifest = read_manifest(path)
+            st = found.stat()
+            # Every manifest counts, sealed or not: keeping a chunk one names
+            # costs space; removing one a real file needs loses it.
+            manifest = found.read_manifest()
         except FileNotFoundError:
             continue  # renamed or removed meanwhile; its new name is walked or gone
         except (ManifestError, OSError) as exc:

@@ -11,6 +11,7 @@ import csv
 import logging
 import math
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +25,25 @@ FIELDS = ["time", "path", "size", "close_s", "mirrored_s", "durable_s", "through
 SHUTDOWN_WRITE_TIMEOUT = 5.0
 
 
+@dataclass(frozen=True)
+class Recent:
+    """A history record kept in memory for ``stat``, with the owner of its
+    file (not written to the CSV): stat names it to that user and root only."""
+
+    uid: int
+    record: dict[str, Any]
+
+
 class History:
     def __init__(self, path: Path, io: BackingIO) -> None:
         self.path = path
         self.io = io
-        self.recent: deque[dict[str, Any]] = deque(maxlen=20)
+        self.recent: deque[Recent] = deque(maxlen=20)
         self._send, self._recv = trio.open_memory_channel[dict[str, Any]](math.inf)
 
-    def add(self, record: dict[str, Any]) -> None:
-        self.recent.append(record)
+    def add(self, record: dict[str, Any], uid: int) -> None:
+        """Append ``record`` (FIELDS) for a file owned by ``uid``."""
+        self.recent.append(Recent(uid, record))
         self._send.send_nowait(record)
 
     async def run(self) -> None:

@@ -267,7 +267,7 @@ class Core:
             "durable_s": round(now - closed, 3),
             "throughput_MBps": round(f.size / max(now - f.opened_at, 1e-6) / 1e6, 1),
         }
-        self.history.add(record)
+        self.history.add(record, f.uid)
         log.info("durable: %s (%d bytes, %.2fs after close)", f.path, f.size, now - closed)
         if f.role is not FileRole.TAKEOVER:  # retention is the writer's to apply
             await self._retention(f.path)

@@ -33,7 +33,7 @@ from .fusesession import describe as describe_session
 from .kernelpages import KernelPages
 from .operations import Operations
 from .preflight import mount_id, run_files
-from .state import FileRole, FileState
+from .statview import StatView, Viewer
 
 GIL_SWITCH_INTERVAL = 0.0001
 
@@ -236,13 +236,15 @@ class Daemon:
         return {
             "ping": control.Route(self._ping, privileged=False),
             "stat": control.Route(self._stat, privileged=False),
-            "holds": control.Route(self._holds, privileged=False),
+            # Whether this node holds a version (`ckptfs check`): the mount's
+            # owner needs it for a check of its own mount.
+            "holds": control.Route(self._holds, privileged=True),
             "flush": control.Route(self._flush, privileged=True),
             "evict": control.Route(self._evict, privileged=True),
             "unmount": control.Route(self._unmount, privileged=True),
         }
 
-    async def _ping(self, req: dict[str, Any]) -> dict[str, Any]:
+    async def _ping(self, req: dict[str, Any], peer: control.Peer) -> dict[str, Any]:
         return {
             "ok": True,
             "pid": os.getpid(),
@@ -251,7 +253,7 @@ class Daemon:
             "node": self.config.node,
         }
 
-    async def _holds(self, req: dict[str, Any]) -> dict[str, Any]:
+    async def _holds(self, req: dict[str, Any], peer: control.Peer) -> dict[str, Any]:
         """Which of the (file id, version) pairs this node holds (Cache.holds)."""
         files = req.get("files")
         if not isinstance(files, list) or not all(
@@ -261,11 +263,14 @@ class Daemon:
             raise ValueError("'files' must be a list of [file id, version] pairs")
         return {"ok": True, "held": [self.core.cache.holds(i, v) for i, v in files]}
 
-    async def _stat(self, req: dict[str, Any]) -> dict[str, Any]:
+    async def _stat(self, req: dict[str, Any], peer: control.Peer) -> dict[str, Any]:
+        """The mount's state; files named only to their owner and root
+        (fs/statview.py), the others counted in ``not_shown``."""
         core = self.core
-        prefix = str(req.get("path", ""))
-        under = sorted(core.fs.files_under(prefix), key=lambda f: f.path)
-        taken = {f.file_id: f for f in core.taken_over(prefix)}
+        view = StatView(Viewer(peer.uid))
+        files = view.files(core.fs.files_under(""), core.taken_over(""), str(req.get("path", "")))
+        own_paths = {f.path for f in core.cache.all_files() if f.uid == peer.uid}
+        mirroring = self.peer.mirror_stats() if self.peer else {}
         return {
             "ok": True,
             "mountpoint": str(self.mountpoint),
@@ -281,7 +286,7 @@ class Daemon:
                 "prefaulted": core.prefaulted,
                 "prefault": core.prefault.value,
             },
-            "flush": core.flusher.stats(),
+            "flush": view.flush(core.flusher.stats(), core.flusher.active),
             "fuse": {
                 **core.fs.describe(),
                 **describe_session(self.session),
@@ -294,28 +299,18 @@ class Daemon:
                 "slow": core.io.slow_calls,
                 "timed_out": core.io.timeouts,
             },
-            # A file taken over is listed once, as such, not also as the
-            # remote file this node's mount sees at its path.
-            "files": [
-                f.describe()
-                for f in under
-                if not (f.role is FileRole.REMOTE and f.file_id in taken)
-            ],
-            # Dead buddies' files this node took over and is making durable.
-            "taken_over": [{**f.describe(), "origin": f.origin} for f in taken.values()],
-            "lost": [
-                {"path": f.path, "reason": f.lost_reason}
-                for f in under
-                if f.state is FileState.LOST
-            ],
+            # "taken_over": dead buddies' files this node took over and is
+            # making durable.
+            **files,
             "peers": self.peer.stats() if self.peer else [],
             "peer_reads": self.peer.counters() if self.peer else {},
-            "mirroring": self.peer.mirror_stats() if self.peer else {},
+            "mirroring": view.mirroring(mirroring, core.cache.mirrors.values(), own_paths),
             "representative": self.represent.counters() if self.represent else {},
-            "history": list(core.history.recent),
+            "history": view.history(core.history.recent),
+            "not_shown": view.not_shown,
         }
 
-    async def _flush(self, req: dict[str, Any]) -> dict[str, Any]:
+    async def _flush(self, req: dict[str, Any], peer: control.Peer) -> dict[str, Any]:
         prefix = str(req.get("path", ""))
         if req.get("wait"):
             timeout = req.get("timeout")
@@ -328,11 +323,11 @@ class Daemon:
             **({"error": f"{len(failed)} file(s) could not be committed"} if failed else {}),
         }
 
-    async def _evict(self, req: dict[str, Any]) -> dict[str, Any]:
+    async def _evict(self, req: dict[str, Any], peer: control.Peer) -> dict[str, Any]:
         freed, kept = self.core.evict(str(req.get("path", "")))
         return {"ok": True, "freed": freed, "not_durable": kept}
 
-    async def _unmount(self, req: dict[str, Any]) -> dict[str, Any]:
+    async def _unmount(self, req: dict[str, Any], peer: control.Peer) -> dict[str, Any]:
         timeout = req.get("timeout")
         result = await self.core.drain("", float(timeout) if timeout else None)
         if result["ok"] or req.get("force"):

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,15 @@ FIELDS = ["time", "path", "size", "close_s", "mirrored_s", "durable_s", "through
 SHUTDOWN_WRITE_TIMEOUT = 5.0
 
 
+@dataclass(frozen=True)
+class Recent:
+    """A history record kept in memory for ``stat``, with the owner of its
+    file (not written to the CSV): stat names it to that user and root only."""
+
+    uid: int
+    record: dict[str, Any]
+
+
 class History:
     """``path``: the CSV, as the operator configured it; with ``dirs``, a
     name in the store's ``.ckptfs/history`` (used through its fd)."""
@@ -34,11 +44,12 @@ class History:
         self.path = dirs.path(HISTORY) / path if dirs is not None else path
         self.dirs = dirs
         self.io = io
-        self.recent: deque[dict[str, Any]] = deque(maxlen=20)
+        self.recent: deque[Recent] = deque(maxlen=20)
         self._send, self._recv = trio.open_memory_channel[dict[str, Any]](math.inf)
 
-    def add(self, record: dict[str, Any]) -> None:
-        self.recent.append(record)
+    def add(self, record: dict[str, Any], uid: int) -> None:
+        """Append ``record`` (FIELDS) for a file owned by ``uid``."""
+        self.recent.append(Recent(uid, record))
         self._send.send_nowait(record)
 
     async def run(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -74,12 +75,30 @@ def _innermost(target: Path, mounts: list[Path]) -> tuple[Path, str] | None:
     return best, "" if target == best else str(target.relative_to(best))
 
 
+# A daemon that refuses a connection as one too many ("busy": the caller's
+# user holds its share already) is asked again for this long.
+BUSY_RETRY = 5.0
+
+
 def request(
     mountpoint: Path, payload: dict[str, Any], timeout: float | None = 30, run: Path | None = None
 ) -> dict[str, Any]:
     """One request to the daemon of ``mountpoint``, whose control socket is in
     ``run`` (default: ``run_dir()``)."""
     sock_path, _, _ = run_files(run or run_dir(), mountpoint)
+    deadline = time.monotonic() + min(BUSY_RETRY, timeout if timeout is not None else BUSY_RETRY)
+    pause = 0.05
+    while True:
+        reply = _request_once(mountpoint, sock_path, payload, timeout)
+        if not reply.get("busy") or time.monotonic() + pause > deadline:
+            return reply
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
+
+
+def _request_once(
+    mountpoint: Path, sock_path: Path, payload: dict[str, Any], timeout: float | None
+) -> dict[str, Any]:
     try:
         data = exchange(sock_path, payload, timeout)
     except (FileNotFoundError, ConnectionRefusedError):
@@ -88,6 +107,11 @@ def request(
         ) from None
     except TimeoutError:
         raise ControlError(f"the ckptfs daemon for {mountpoint} did not answer in time") from None
+    except OSError as exc:
+        raise ControlError(
+            f"could not ask the ckptfs daemon for {mountpoint} (control socket {sock_path}): "
+            f"{exc.strerror or exc}"
+        ) from None
     if not data:
         raise ControlError(f"the ckptfs daemon for {mountpoint} closed the connection")
     return json.loads(data)
@@ -97,8 +121,11 @@ def exchange(sock_path: Path, payload: dict[str, Any], timeout: float | None) ->
     """Send one request line to a control socket; return the reply line (raw)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
-        sock.connect(str(sock_path))
-        sock.sendall(json.dumps(payload).encode() + b"\n")
+        _connect(sock, sock_path, timeout)
+        try:
+            sock.sendall(json.dumps(payload).encode() + b"\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused before our request arrived: its reply says why
         data = b""
         while not data.endswith(b"\n"):
             piece = sock.recv(1 << 16)
@@ -106,6 +133,23 @@ def exchange(sock_path: Path, payload: dict[str, Any], timeout: float | None) ->
                 break
             data += piece
     return data
+
+
+def _connect(sock: socket.socket, sock_path: Path, timeout: float | None) -> None:
+    """Connect within ``timeout``. With a timeout set the socket does not block,
+    and a Unix socket whose queue of pending connections is full answers
+    EAGAIN at once rather than waiting: try again until the timeout."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        try:
+            sock.connect(str(sock_path))
+            return
+        except BlockingIOError:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"{sock_path}: the daemon's connection queue stayed full"
+                ) from None
+            time.sleep(0.005)
 
 
 def daemon_pid(mountpoint: Path, run: Path | None = None) -> int | None:

@@ -63,6 +63,33 @@ def left_running_text(n: int) -> str:
     return f"  ({n} chunk read(s) of interrupted readers still running for other readers)"
 
 
+# What ``not_shown`` counts (fs/statview.py): singular and plural.
+NOT_SHOWN = {
+    "files": ("cached file", "cached files"),
+    "taken_over": ("file taken over", "files taken over"),
+    "lost": ("lost file", "lost files"),
+    "flushing": ("file being flushed", "files being flushed"),
+    "history": ("recent checkpoint", "recent checkpoints"),
+    "mirrored_files": ("file mirrored here", "files mirrored here"),
+    "fallback_paths": ("mirroring fallback", "mirroring fallbacks"),
+}
+
+
+def not_shown_text(counts: dict[str, int]) -> str:
+    """Other users' files the daemon counted but did not name to this caller."""
+    parts = [
+        f"{n} {NOT_SHOWN.get(key, (key, key))[n != 1]}"
+        for key, n in counts.items()
+        if isinstance(n, int) and n > 0
+    ]
+    if not parts:
+        return ""
+    return (
+        f"not shown: {', '.join(parts)} of other users in this mount "
+        "(only root sees every user's files by name)"
+    )
+
+
 def format_stat(s: dict[str, Any]) -> str:
     c, fl = s["cache"], s["flush"]
     lines = [
@@ -170,4 +197,7 @@ def format_stat(s: dict[str, Any]) -> str:
                 f"  {h['time']}  {h['path']}  {human(h['size'])}  "
                 f"{h['close_s']} / {h['durable_s']} / {h['throughput_MBps']}"
             )
+    hidden = not_shown_text(s.get("not_shown") or {})  # absent from an older daemon
+    if hidden:
+        lines.append(hidden)
     return "\n".join(lines)

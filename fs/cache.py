@@ -248,14 +248,20 @@ class Cache:
             if f is not None and f.file_id == file_id
         ]
 
-    def held_version(self, file_id: str, version: str) -> CachedFile | None:
+    def held_version(
+        self, file_id: str, version: str, writer: str | None = None
+    ) -> CachedFile | None:
         """The content of exactly that published version, if this node holds it
-        (for a peer's read): never a version being changed here."""
+        (for a peer's read): never a version being changed here. With
+        ``writer`` (the first holder the version's manifest names), a buddy's
+        mirror counts only if that writer sent it: another node's commit may
+        claim any file id and version."""
         for f in self.with_id(file_id):
             if (
                 f.version == version
                 and f.role is not FileRole.REMOTE
                 and f.state in (FileState.PENDING, FileState.DURABLE)
+                and (writer is None or f.role is FileRole.LOCAL or f.origin == writer)
             ):
                 return f
         return None
@@ -933,10 +939,13 @@ class Cache:
         (durable), or of any version (""; the content is gone or fell back).
         Either way the writer is done with ``mid`` (its next content gets a
         new id), so later pages of it are refused: a late one must not make
-        a new mirror that nothing would ever drop."""
-        _remember(self._gone_mirrors, mid)
+        a new mirror that nothing would ever drop. A drop of another
+        writer's mirror changes nothing (not even its later pages)."""
         f = self.mirrors.get(mid)
-        if f is None or f.origin != origin or f.role is not FileRole.MIRROR:
+        if f is not None and f.origin != origin:
+            return False
+        _remember(self._gone_mirrors, mid)
+        if f is None or f.role is not FileRole.MIRROR:
             return False
         if version and (f.version != version or f.state is not FileState.PENDING):
             return False  # changed since: a later commit or drop settles it
@@ -1212,21 +1221,29 @@ class Cache:
         return None if views is None else b"".join(views)
 
     async def read_held(
-        self, file_id: str, version: str, off: int, size: int, *, into: bytearray | None = None
+        self,
+        file_id: str,
+        version: str,
+        off: int,
+        size: int,
+        *,
+        into: bytearray | None = None,
+        writer: str | None = None,
     ) -> bytes | memoryview | None:
         """Bytes of exactly that version if this node holds it (for a peer, or
-        for a mirror read here); None if not. A read that waits for a chunk
-        resolves the rest of its range again afterwards, from whatever the
-        file holds then: if it changed meanwhile (a rewrite, a fork, a
-        mirrored page), the bytes would mix versions, so it is read again
-        from the version's current holder, or refused."""
+        for a mirror read here; ``writer``: see held_version); None if not. A
+        read that waits for a chunk resolves the rest of its range again
+        afterwards, from whatever the file holds then: if it changed
+        meanwhile (a rewrite, a fork, a mirrored page), the bytes would mix
+        versions, so it is read again from the version's current holder, or
+        refused."""
         for _attempt in range(3):
-            f = self.held_version(file_id, version)
+            f = self.held_version(file_id, version, writer)
             if f is None:
                 return None
             gen = f.content_gen
             data = await self.read(f, off, size, into=into)
-            if self.held_version(file_id, version) is f and f.content_gen == gen:
+            if self.held_version(file_id, version, writer) is f and f.content_gen == gen:
                 return data
         return None
 
@@ -1235,10 +1252,11 @@ class Cache:
         and here by hash). HoldersFailed if no holder serves them."""
         assert self.peer_fetch is not None
         version = f.version
-        held = self.held_version(f.file_id, version)
+        writer = f.holders[0] if f.holders else ""
+        held = self.held_version(f.file_id, version, writer)
         if held is not None and held is not f:
-            data = await self.read_held(f.file_id, version, off, end - off)  # mirrored here
-            if data is not None:
+            data = await self.read_held(f.file_id, version, off, end - off, writer=writer)
+            if data is not None:  # mirrored here, from its writer
                 return data
         sequential = f.read_pattern.observe(off, end) is not None
         try:

@@ -133,11 +133,20 @@ class Core:
         return await self.fs.publish(f, make, expect_version=version)
 
     async def serve_peer_read(
-        self, file_id: str, version: str, offset: int, length: int, into: bytearray | None
+        self,
+        file_id: str,
+        version: str,
+        offset: int,
+        length: int,
+        into: bytearray | None,
+        writer: str,
     ) -> bytes | memoryview | None:
         """A range of exactly that version, for a peer (copied into ``into`` if
-        given); None if not held here."""
-        return await self.cache.read_held(file_id, version, offset, length, into=into)
+        given); None if not held here, or held only as a mirror that ``writer``
+        did not send."""
+        return await self.cache.read_held(
+            file_id, version, offset, length, into=into, writer=writer
+        )
 
     def close(self) -> None:
         self.fs.close_all()

@@ -36,10 +36,13 @@ every receive.
 What this does and does not give: a replayed or reflected proof never
 verifies (fresh nonces of both sides, role bound). The HELLOs, names and
 cluster hashes included, travel before any proof and in clear unless TLS is
-used. K proves membership of the cluster, not identity: any holder of K can
-claim any node name. Without TLS the frames after the handshake are not
-protected from an active attacker on the path; pass an ssl.SSLContext to the
-transport for that.
+used. K proves membership of the cluster, not identity: any holder of K could
+claim any node name. The server therefore hands the name a client's HELLO
+claims to ``on_hello`` before anything else (transport.py passes identity.py's
+check: the name must be a configured node's, from that node's address); a
+refusal there is told to the client with its reason. Without TLS the frames
+after the handshake are not protected from an active attacker on the path;
+pass an ssl.SSLContext to the transport for that.
 """
 
 from __future__ import annotations
@@ -216,10 +219,23 @@ async def _client_steps(
     return theirs.node
 
 
+# Called with the node a client's HELLO claims; raises AuthError to refuse it.
+HelloCheck = Callable[[str], Awaitable[None]]
+
+
 async def _server_steps(
-    channel: ControlChannel, node: str, secret: bytes, cluster_hash: str
+    channel: ControlChannel,
+    node: str,
+    secret: bytes,
+    cluster_hash: str,
+    on_hello: HelloCheck | None = None,
 ) -> str:
     theirs = Hello.from_meta(await _expect(channel, FrameType.HELLO, "client"), "client")
+    if on_hello is not None:
+        try:
+            await on_hello(theirs.node)
+        except AuthError as exc:
+            raise _Refusal(str(exc), str(exc)) from None
     mine = Hello(node, secrets.token_bytes(NONCE_BYTES), cluster_hash)
     await channel.send_control(FrameType.HELLO, mine.to_meta())
     client = f"client claiming to be {theirs.node!r}"
@@ -293,7 +309,9 @@ async def server_handshake(
     secret: bytes,
     cluster_hash: str,
     timeout: float = HANDSHAKE_TIMEOUT,
+    on_hello: HelloCheck | None = None,
 ) -> str:
-    """Authenticate as the accepting side; returns the client's node name."""
-    steps = partial(_server_steps, channel, node, check_secret(secret), cluster_hash)
+    """Authenticate as the accepting side; returns the client's node name.
+    ``on_hello`` may refuse the name the client claims (see the module docstring)."""
+    steps = partial(_server_steps, channel, node, check_secret(secret), cluster_hash, on_hello)
     return await _run(channel, steps, "handshake", timeout)

@@ -51,6 +51,7 @@ import trio
 
 from .auth import one_line
 from .config import Address, PeersConfig
+from .identity import source_address
 from .transport import DEFAULT_LIMITS, Limits, PeerClient, PeerConnection, Request, Response
 from .wire import PeerError
 
@@ -234,6 +235,7 @@ class Membership:
             cluster_hash=self.config.cluster_hash,
             ssl_context=self._ssl_context,
             limits=self._limits,
+            local_address=source_address(self.config),
         )
         async with client, trio.open_nursery() as nursery:
             for peer in self._peers.values():

@@ -26,6 +26,18 @@ When the membership declares a writer dead, its buddy takes over every
 mirror of it that was committed: it flushes them and publishes the durable
 manifest fenced, only over exactly the version it mirrored
 (``Backing.takeover_manifest``).
+
+Whose mirrors: a buddy takes mirror requests only from the nodes it is the
+configured buddy of (``PeersConfig.mirrored_for``), each node being who the
+transport's identity check says it is. A writer speaks only for its own
+files: a commit must name the writer and this buddy as the version's
+holders (``[writer, buddy]``, as its pending manifest will), and a path that
+stays inside the mount. What the commit claims beyond that (file id,
+version, attributes) the buddy cannot check when it arrives, as the manifest
+is published after it, so it is checked where it matters: a mirror is
+served (here and to peers) only to readers of a version whose manifest
+names its sender as the writer (``Cache.held_version``), and is taken over
+only if the pending manifest at its path names its sender as the writer.
 """
 
 from __future__ import annotations
@@ -44,6 +56,7 @@ from ckptfs.fs.cachedfile import CachedFile, ChunkMap, Snapshot
 from ckptfs.fs.manifest import Chunk, Manifest, ManifestError
 from ckptfs.fs.state import FileRole, FileState, MirrorState, PageState
 
+from .auth import one_line
 from .dialer import Dialer
 from .transport import PeerClient, Placement, RemoteError, Request, Response
 from .wire import PeerError
@@ -582,6 +595,20 @@ def _still(f: CachedFile, snap: Snapshot) -> bool:
     )
 
 
+def checked_path(value: object) -> str:
+    """A mirrored file's path: relative, inside the mount, no empty, ``.`` or
+    ``..`` component (ValueError otherwise)."""
+    if (
+        not isinstance(value, str)
+        or not value
+        or value.startswith("/")
+        or "\0" in value
+        or any(part in ("", ".", "..") for part in value.split("/"))
+    ):
+        raise ValueError(f"bad path {one_line(repr(value), 100)}")
+    return value
+
+
 def page_digest(data: memoryview | bytes, page: int, gen: int) -> int:
     """What a mirrored page is checked against at the buddy: xxh3-64 of its
     bytes, seeded with its page number and generation so that damaged
@@ -668,9 +695,8 @@ class MirrorServer:
             if request.type == COMMIT:
                 return self._commit(peer, request)
             if request.type == RENAME:
-                ok = self.cache.mirror_rename(
-                    peer, str(request.meta["mid"]), str(request.meta["path"])
-                )
+                path = checked_path(request.meta["path"])
+                ok = self.cache.mirror_rename(peer, str(request.meta["mid"]), path)
                 return Response(meta={"known": ok})
             if request.type == DROP:
                 dropped = 0
@@ -777,6 +803,14 @@ class MirrorServer:
     def _commit(self, peer: str, request: Request) -> Response:
         body = json.loads(bytes(request.payload))
         manifest = Manifest.from_bytes(str(body["manifest"]).encode(), "mirrored manifest")
+        path = checked_path(body["path"])
+        holders = [peer, self.cache.node]
+        # A writer mirrors only its own pending versions, held by it and us.
+        if manifest.holders != holders or manifest.state != "pending":
+            raise ValueError(
+                f"commit of {path!r} from {peer} is of a {one_line(manifest.state, 20)} "
+                f"version held by {one_line(manifest.holders, 200)}, not {holders}"
+            )
         ram = {int(p): (int(gen), int(fill)) for p, gen, fill in body["ram"]}
         floor = body.get("floor")
         # Strict: a commit without it is from a node older than this one,
@@ -805,7 +839,7 @@ class MirrorServer:
             peer,
             str(request.meta["mid"]),
             manifest,
-            str(body["path"]),
+            path,
             int(body["uid"]),
             int(body["gid"]),
             ram,
@@ -868,6 +902,16 @@ class MirrorServer:
                 if m is not None and (m.version != f.version or m.state != "pending"):
                     log.info("not taking over %s from %s: no longer pending there",
                              f.path, origin)  # fmt: skip
+                    self.cache.mirror_drop(origin, f.mirror_id, f.version)
+                    continue
+                if m is not None and m.holders[:1] != [origin]:
+                    # Its commit claimed another writer's file and version:
+                    # flushing it would publish its bytes as that file.
+                    log.warning(
+                        "not taking over %s (version %s) from %s: its manifest names %s as "
+                        "its writer; dropped the mirror", f.path, f.version, origin,
+                        one_line(m.holders[0] if m.holders else "nobody", 80),
+                    )  # fmt: skip
                     self.cache.mirror_drop(origin, f.mirror_id, f.version)
                     continue
             if self.cache.take_over(f):

@@ -18,6 +18,7 @@ from ckptfs.fs.cache import Cache
 from ckptfs.fs.manifest import Manifest
 
 from .config import PeersConfig, ssl_contexts
+from .identity import NodeIdentities, source_address
 from .membership import HEARTBEAT, Membership
 from .mirror import ROUTES as MIRROR_ROUTES
 from .mirror import MirrorClient, MirrorServer
@@ -81,9 +82,16 @@ class PeerNode:
         others = [h for h in holders if h != self.config.node]
         if self.fetcher is None or not others:
             raise PeerReadError(f"no other holder of {file_id}@{version} ({', '.join(holders)})")
-        return await self.fetcher.fetch(others, file_id, version, offset, length, into)
+        # The first holder a pending manifest names is its writer: a buddy
+        # serves only a mirror that writer sent it.
+        return await self.fetcher.fetch(
+            others, file_id, version, offset, length, into, writer=holders[0]
+        )
 
     async def handle(self, peer: str, request: Request) -> Response:
+        if peer == self.config.node or peer not in self.config.nodes:
+            # The transport's identity check admits only the other nodes.
+            return Response.fail(f"{peer!r} is not another node of this cluster")
         route = self.routes.get(request.type)
         if route is None:
             return Response.fail(f"unknown request type {request.type!r}")
@@ -105,6 +113,7 @@ class PeerNode:
                         handler=self.handle,
                         ssl_context=self._server_tls,
                         placer=self.mirror_server.place,
+                        identity=NodeIdentities.of(self.config),
                     )
                 )
             except OSError as exc:
@@ -148,6 +157,7 @@ class PeerNode:
             secret=self.config.secret,
             cluster_hash=self.config.cluster_hash,
             ssl_context=self._client_tls,
+            local_address=source_address(self.config),
         ) as client:
             task_status.started(client)
             await trio.sleep_forever()

@@ -8,12 +8,21 @@ older version there is refused, never substituted) and sends the range's
 hash; the reader checks the bytes against it, so a corrupted transfer is an
 error, never wrong bytes. Holders are tried in turn; when none answers, the
 read fails with a reason naming them.
+
+A read names the version's writer (the first holder its manifest names): a
+holder serves a buddy's mirror only if that writer sent it, so one node
+cannot have another's reader take its bytes for a third node's file. A
+holder serves only the nodes of its cluster (the transport's identity
+check); they are trusted to apply users' permissions to what they read, as
+NFS clients are (docs/SECURITY.md). Reply buffers count against the peer's
+buffer budget (transport.PeerBudget).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any
 
 import trio
@@ -30,9 +39,11 @@ READ = "read"  # the request type
 MOVED_ON = "moved_on"  # in a refusal's meta: the holder's content moved past that version
 MAX_READ = 8 << 20  # bytes per request: bounded by the transport's payload limit
 
-# (file_id, version, offset, length, buffer to copy into or None) -> the
-# bytes, or None if not held here.
-LocalRead = Callable[[str, str, int, int, bytearray | None], Awaitable[bytes | memoryview | None]]
+# (file_id, version, offset, length, buffer to copy into or None, writer)
+# -> the bytes, or None if not held here (a mirror: only one the writer sent).
+LocalRead = Callable[
+    [str, str, int, int, bytearray | None, str], Awaitable[bytes | memoryview | None]
+]
 # file_id -> whether this node's content of that file is being changed (see
 # Cache.changing): a version it refused it will never serve again.
 Changing = Callable[[str], bool]
@@ -83,18 +94,33 @@ class ReadServer:
         try:
             file_id, version = str(meta["file_id"]), str(meta["version"])
             offset, length = int(meta["offset"]), int(meta["length"])
+            writer = meta["writer"]
         except (KeyError, TypeError, ValueError):
             return Response.fail("malformed read request")
+        if not isinstance(writer, str) or not writer:
+            return Response.fail("malformed read request: no writer")
         if offset < 0 or not 0 <= length <= MAX_READ:
             return Response.fail(f"read of {length} bytes at {offset} is out of bounds")
+        budget = request.budget
+        if budget is not None:
+            await budget.acquire(length)
         buffer = self._take(length)
+
+        def done() -> None:
+            self._give_back(buffer)
+            if budget is not None:
+                budget.release(length)
+
         try:
-            data = await self.local_read(file_id, version, offset, length, buffer)
+            data = await self.local_read(file_id, version, offset, length, buffer, writer)
         except OSError as exc:
-            self._give_back(buffer)
+            done()
             return Response.fail(f"cannot read {file_id}@{version}: {exc}")
+        except BaseException:
+            done()
+            raise
         if data is None:
-            self._give_back(buffer)
+            done()
             if self.changing(file_id):
                 return Response.fail(
                     f"{file_id}@{version} is not held here: its writer here is changing it",
@@ -106,7 +132,7 @@ class ReadServer:
         return Response(
             meta={"hash": range_hash(data), "length": len(data)},
             payload=data,
-            release=lambda: self._give_back(buffer),  # once the reply is sent
+            release=done,  # once the reply is sent
         )
 
 
@@ -147,19 +173,25 @@ class PeerFetcher:
         offset: int,
         length: int,
         into: bytearray | None = None,
+        *,
+        writer: str | None = None,
     ) -> bytes | memoryview:
         """Bytes [offset, offset+length) of that version, from the first holder
         that has them; raises PeerReadError naming every holder tried. A
         range of one request comes back as the received buffer, not a copy:
         ``into`` (at least ``length`` long) if given, so a caller can reuse
-        memory it has touched already (fresh pages cost more than the copy)."""
+        memory it has touched already (fresh pages cost more than the copy).
+        ``writer``: the version's writer (default: the first of ``holders``)."""
+        if writer is None:
+            writer = holders[0] if holders else ""
+        piece = partial(self._fetch_piece, holders, file_id, version, writer=writer)
         if into is not None and length <= MAX_READ:
-            return await self._fetch_piece(holders, file_id, version, offset, length, into)
+            return await piece(offset, length, into)
         parts: list[memoryview] = []
         got = 0
         while got < length:
             n = min(MAX_READ, length - got)
-            part = await self._fetch_piece(holders, file_id, version, offset + got, n)
+            part = await piece(offset + got, n)
             if not part:
                 break  # past the end of the file there
             parts.append(part)
@@ -174,6 +206,8 @@ class PeerFetcher:
         offset: int,
         length: int,
         into: bytearray | None = None,
+        *,
+        writer: str,
     ) -> memoryview:
         tried: list[str] = []
         moved_on = False
@@ -182,7 +216,7 @@ class PeerFetcher:
             if name not in self.addresses:
                 continue
             try:
-                return await self._from(name, file_id, version, offset, length, into)
+                return await self._from(name, file_id, version, offset, length, into, writer)
             except _Refused as exc:
                 moved_on = moved_on or exc.moved_on
                 self.failures += 1
@@ -202,7 +236,8 @@ class PeerFetcher:
         version: str,
         offset: int,
         length: int,
-        into: bytearray | None = None,
+        into: bytearray | None,
+        writer: str,
     ) -> memoryview:
         conn = await self.dialer.connection(self.client, name)
         meta: dict[str, Any] = {
@@ -210,6 +245,7 @@ class PeerFetcher:
             "version": version,
             "offset": offset,
             "length": length,
+            "writer": writer,
         }
         response = await conn.request(READ, meta, into=into, timeout=self.timeout)
         if response.error is not None:

@@ -48,11 +48,30 @@ ranges add up to THREAD_SENDFILE, so that the copy does not hold up the
 event loop. Over TLS the ssl module needs its own buffers: payloads are
 copied in and out of them, and files are read with pread in 1 MiB pieces.
 
-The server survives hostile connections: at most ``max_unauthenticated``
-connections may be in the handshake at once (more are closed at once), the
-handshake has one deadline, and every connection runs in its own task whose
-failure is logged in one line and closes only that connection. Refusals are
-logged at WARNING, at most 50 lines a second.
+The server survives hostile connections. Before its HELLO a connection
+waits in a pool of at most ``max_unauthenticated`` connections, at most
+``max_unauthenticated_per_address`` of them from one IP address; a new
+connection is always let in, and makes room by closing the oldest silent one
+(no byte received; else the oldest) from its address, or from all if the
+pool is full. It must send its HELLO (after TLS, if used) within
+``hello_timeout``: an honest client sends it at once, so a flood of silent
+connections, even from a node's own address, cannot keep one out. The HELLO
+names the node the client claims to be; ``identity`` (identity.py) refuses
+it unless it comes from that node's address, and the connection then leaves
+the pool for the handshake slots of that node (``max_handshakes_per_node``),
+which no other address can take, until ``handshake_timeout`` from its
+start. Every connection runs in its own task whose failure is logged in one
+line and closes only that connection. Refusals are logged at WARNING, at
+most 50 lines a second.
+
+Authenticated peers are bounded too, per peer node over all its
+connections: at most ``max_connections_per_peer`` connections (a new one
+closes its oldest), and at most ``max_buffered_per_peer`` bytes of request
+payloads received into buffers (not placed by the placer) and of reply
+buffers taken by handlers through ``Request.budget``: a request whose
+payload would go over it is not read until others are done (TCP
+backpressure). Per connection, up to REQUEST_POOL_BYTES of buffers are kept
+for reuse besides.
 """
 
 from __future__ import annotations
@@ -67,8 +86,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -118,13 +138,50 @@ class Limits:
     min_rate: float = 1.0 * MiB  # bytes/s a payload must at least move at
     request_timeout: float = 30.0
     max_concurrent_requests: int = 32  # per connection
-    max_unauthenticated: int = 64  # per server
+    # The handshake (see the module docstring).
+    hello_timeout: float = 2.0  # from accept: TLS and the client's HELLO
+    max_unauthenticated: int = 64  # per server, before their HELLO
+    max_unauthenticated_per_address: int = 16
+    max_handshakes_per_node: int = 4  # after their HELLO, per node claimed
+    # Authenticated peers, per peer node over all its connections.
+    max_connections_per_peer: int = 8
+    max_buffered_per_peer: int = 256 * MiB
 
     def transfer_time(self, nbytes: int) -> float:
         return self.frame_timeout + nbytes / self.min_rate
 
 
 DEFAULT_LIMITS = Limits()
+
+
+class IdentityCheck(Protocol):
+    """Refuses a claimed node name (identity.NodeIdentities)."""
+
+    async def check(self, name: str, source: str) -> None: ...
+
+
+class PeerBudget:
+    """Bytes of buffers the requests of one peer node may hold at once,
+    over all its connections. A request larger than the whole budget waits
+    until it would be alone in it."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.peak = 0
+        self._freed = trio.Event()
+
+    async def acquire(self, nbytes: int) -> None:
+        while self.used and self.used + nbytes > self.limit:
+            await self._freed.wait()
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+
+    def release(self, nbytes: int) -> None:
+        if nbytes:
+            self.used -= nbytes
+            self._freed.set()
+            self._freed = trio.Event()
 
 
 @dataclass(slots=True)
@@ -149,6 +206,9 @@ class Request:
     payload: memoryview
     id: int = 0
     placement: Placement | None = None  # then the payload is in its views, not `payload`
+    # The peer's buffer budget: a handler that buffers a reply takes its bytes
+    # from it and gives them back once the reply is sent (None: unbounded).
+    budget: PeerBudget | None = None
 
 
 @dataclass(slots=True)
@@ -260,15 +320,20 @@ def _describe(exc: BaseException) -> str:
 
 
 def _address(stream: trio.abc.Stream) -> str:
+    host, port = _peer_host_port(stream)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _peer_host_port(stream: trio.abc.Stream) -> tuple[str, int | str]:
     while isinstance(stream, trio.SSLStream):
         stream = stream.transport_stream
     if not isinstance(stream, trio.SocketStream):
-        return "?"
+        return "?", "?"
     try:
         host, port = stream.socket.getpeername()[:2]
     except (OSError, ValueError):
-        return "?"
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return "?", "?"
+    return host, port
 
 
 # ---------------------------------------------------------------- channel
@@ -798,12 +863,16 @@ class PeerClient:
         cluster_hash: str,
         ssl_context: ssl.SSLContext | None = None,
         limits: Limits = DEFAULT_LIMITS,
+        local_address: str | None = None,
     ) -> None:
         self.node = auth.check_node_name(node)
         self.cluster_hash = auth.check_cluster_hash(cluster_hash)
         self._secret = auth.check_secret(secret)
         self._ssl_context = ssl_context
         self.limits = limits
+        # The IP address connections are made from: servers accept this node
+        # only from its configured address (identity.py).
+        self.local_address = local_address
         self._stack: AsyncExitStack | None = None
         self._nursery: trio.Nursery | None = None
         self.connections: set[PeerConnection] = set()
@@ -852,7 +921,7 @@ class PeerClient:
         stream: trio.abc.Stream | None = None
         try:
             with trio.fail_after(timeout):
-                stream = await _dial(host, port, where)
+                stream = await _dial(host, port, where, self.local_address)
                 if self._ssl_context is not None:
                     stream = trio.SSLStream(
                         stream, self._ssl_context, server_hostname=server_hostname or host
@@ -881,11 +950,14 @@ class PeerClient:
         return conn
 
 
-async def _dial(host: str, port: int, where: str) -> trio.SocketStream:
+async def _dial(
+    host: str, port: int, where: str, local_address: str | None = None
+) -> trio.SocketStream:
     try:
-        return await trio.open_tcp_stream(host, port)
+        return await trio.open_tcp_stream(host, port, local_address=local_address)
     except OSError as exc:
-        raise PeerUnreachable(f"cannot connect to {where}: {one_line(exc)}") from exc
+        source = "" if local_address is None else f" from {local_address}"
+        raise PeerUnreachable(f"cannot connect to {where}{source}: {one_line(exc)}") from exc
 
 
 async def _tls_handshake(stream: trio.SSLStream[Any], where: str) -> None:
@@ -907,10 +979,16 @@ async def connect(
     ssl_context: ssl.SSLContext | None = None,
     timeout: float = DEFAULT_CONNECT_TIMEOUT,
     limits: Limits = DEFAULT_LIMITS,
+    local_address: str | None = None,
 ) -> AsyncIterator[PeerConnection]:
     """One connection for the body of an ``async with``; closed at its end."""
     client = PeerClient(
-        node=node, secret=secret, cluster_hash=cluster_hash, ssl_context=ssl_context, limits=limits
+        node=node,
+        secret=secret,
+        cluster_hash=cluster_hash,
+        ssl_context=ssl_context,
+        limits=limits,
+        local_address=local_address,
     )
     async with client:
         conn = await client.connect(host, port, expect_node=expect_node, timeout=timeout)
@@ -945,6 +1023,105 @@ class _RefusalLog:
             self.suppressed += 1
 
 
+class _Entrant:
+    """A connection in the handshake, and the scope that bounds it."""
+
+    __slots__ = ("ip", "address", "sock", "started", "scope", "spoke", "node", "evicted")
+
+    def __init__(self, ip: str, address: str, sock: Any, started: float, deadline: float) -> None:
+        self.ip = ip
+        self.address = address
+        self.sock = sock
+        self.started = started
+        self.scope = trio.CancelScope(deadline=deadline)
+        self.spoke = False  # a first byte has arrived
+        self.node: str | None = None  # the node its HELLO claimed, once admitted to its slots
+        self.evicted: str | None = None  # why it was closed to make room
+
+    def silent(self) -> bool:
+        """Whether nothing has come from it yet (nor is waiting to be read)."""
+        if self.spoke or self.sock is None:
+            return False
+        try:
+            poller = select.poll()
+            poller.register(self.sock.fileno(), select.POLLIN)
+            return not poller.poll(0)
+        except (OSError, ValueError):
+            return False
+
+
+class _HandshakeGate:
+    """The handshake's admission (see the module docstring): the pool of
+    connections before their HELLO, by source IP, and the slots of each
+    claimed node after it."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.waiting: dict[str, list[_Entrant]] = {}  # oldest first
+        self.count = 0
+        self.shaking: dict[str, int] = {}
+
+    def enter(self, ip: str, address: str, sock: Any) -> _Entrant:
+        """Admit a new connection, closing another if there is no room."""
+        limits = self.limits
+        now = trio.current_time()
+        entrant = _Entrant(
+            ip, address, sock, now, now + min(limits.hello_timeout, limits.handshake_timeout)
+        )
+        same = self.waiting.setdefault(ip, [])
+        if len(same) >= limits.max_unauthenticated_per_address:
+            self._evict(same, f"already {len(same)} connections in the handshake from {ip}")
+        elif self.count >= limits.max_unauthenticated:
+            everyone = sorted(
+                (e for group in self.waiting.values() for e in group), key=lambda e: e.started
+            )
+            self._evict(everyone, f"already {self.count} connections in the handshake")
+        self.waiting.setdefault(ip, []).append(entrant)
+        self.count += 1
+        return entrant
+
+    def _evict(self, candidates: list[_Entrant], reason: str) -> None:
+        victim = next((e for e in candidates if e.silent()), candidates[0])
+        victim.evicted = f"{reason}; closed the oldest silent one for a newer one"
+        self._forget(victim)
+        victim.scope.cancel()
+
+    def promote(self, entrant: _Entrant, node: str) -> None:
+        """Its HELLO claimed ``node`` (and passed the identity check): move it
+        to that node's handshake slots; AuthError if they are all taken."""
+        taken = self.shaking.get(node, 0)
+        if taken >= self.limits.max_handshakes_per_node:
+            raise AuthError(f"already {taken} handshakes of node {node!r} under way")
+        self._forget(entrant)
+        entrant.node = node
+        self.shaking[node] = taken + 1
+
+    def leave(self, entrant: _Entrant) -> None:
+        node, entrant.node = entrant.node, None
+        if node is None:
+            self._forget(entrant)
+            return
+        self.shaking[node] -= 1
+        if not self.shaking[node]:
+            del self.shaking[node]
+
+    def _forget(self, entrant: _Entrant) -> None:
+        group = self.waiting.get(entrant.ip)
+        if group is not None and entrant in group:
+            group.remove(entrant)
+            self.count -= 1
+            if not group:
+                del self.waiting[entrant.ip]
+
+
+@dataclass(eq=False)
+class _PeerLoad:
+    """What one authenticated peer node holds on this server."""
+
+    budget: PeerBudget
+    connections: list[_ServerConnection] = field(default_factory=list)  # oldest first
+
+
 class _Server:
     def __init__(
         self,
@@ -955,6 +1132,7 @@ class _Server:
         ssl_context: ssl.SSLContext | None,
         limits: Limits,
         placer: Placer | None = None,
+        identity: IdentityCheck | None = None,
     ) -> None:
         self.node = auth.check_node_name(node)
         self.secret = auth.check_secret(secret)
@@ -963,7 +1141,9 @@ class _Server:
         self.placer = placer
         self.ssl_context = ssl_context
         self.limits = limits
-        self.unauthenticated = trio.Semaphore(limits.max_unauthenticated)
+        self.identity = identity
+        self.gate = _HandshakeGate(limits)
+        self.peers: dict[str, _PeerLoad] = {}
         self.refused = _RefusalLog(REFUSAL_LOGS_PER_SECOND)
 
     async def handle(self, stream: trio.SocketStream) -> None:
@@ -973,24 +1153,45 @@ class _Server:
             admitted = await self._admit(stream, address)
             if admitted is not None:
                 channel, peer = admitted
-                await _ServerConnection(channel, peer, self.handler, self.limits, self.placer).run()
+                await self._serve_peer(channel, peer)
         except Exception as exc:  # a bug in one connection must not stop the server
             log.error("peer connection from %s failed: %s", address, one_line(repr(exc)))
             log.debug("traceback", exc_info=True)
         finally:
             await trio.aclose_forcefully(channel.stream if channel is not None else stream)
 
+    async def _serve_peer(self, channel: _Channel, peer: str) -> None:
+        load = self.peers.get(peer)
+        if load is None:
+            load = self.peers[peer] = _PeerLoad(PeerBudget(self.limits.max_buffered_per_peer))
+        conn = _ServerConnection(
+            channel, peer, self.handler, self.limits, self.placer, budget=load.budget
+        )
+        limit = self.limits.max_connections_per_peer
+        while len(load.connections) >= limit:
+            # Only that node (or one at its address) can have opened them:
+            # its own oldest go, e.g. left half-open by a crash of its host.
+            oldest = load.connections.pop(0)
+            oldest.evict(f"closed: peer {peer!r} opened more than {limit} connections")
+        load.connections.append(conn)
+        try:
+            await conn.run()
+        finally:
+            if conn in load.connections:
+                load.connections.remove(conn)
+            if not load.connections and self.peers.get(peer) is load:
+                del self.peers[peer]
+
     async def _admit(self, stream: trio.SocketStream, address: str) -> tuple[_Channel, str] | None:
-        try:
-            self.unauthenticated.acquire_nowait()
-        except trio.WouldBlock:
-            limit = self.limits.max_unauthenticated
-            self.refused(address, f"already {limit} connections in the handshake")
-            return None
+        ip = str(_peer_host_port(stream)[0])
+        entrant = self.gate.enter(ip, address, stream.socket)
         wrapped: trio.abc.Stream = stream
+        admitted: tuple[_Channel, str] | None = None
         try:
-            # One deadline for TLS and the handshake: a slow peer holds its slot no longer.
-            with trio.fail_after(self.limits.handshake_timeout):
+            # Until the HELLO: hello_timeout; then handshake_timeout from the start.
+            with entrant.scope:
+                await trio.lowlevel.wait_readable(stream.socket)
+                entrant.spoke = True
                 if self.ssl_context is not None:
                     wrapped = trio.SSLStream(stream, self.ssl_context, server_side=True)
                     await _tls_handshake(wrapped, address)
@@ -1001,18 +1202,33 @@ class _Server:
                     secret=self.secret,
                     cluster_hash=self.cluster_hash,
                     timeout=self.limits.handshake_timeout,
+                    on_hello=partial(self._hello, entrant),
                 )
+                admitted = channel, peer
         except AuthError as exc:
             self.refused(address, str(exc))
-        except trio.TooSlowError:
-            self.refused(address, f"handshake timed out after {self.limits.handshake_timeout:g}s")
-        else:
-            return channel, peer
         finally:
-            self.unauthenticated.release()
+            self.gate.leave(entrant)
+        if admitted is not None:
+            return admitted
+        if entrant.scope.cancelled_caught:
+            self.refused(address, entrant.evicted or self._too_slow(entrant))
         if wrapped is not stream:
             await trio.aclose_forcefully(wrapped)
         return None
+
+    def _too_slow(self, entrant: _Entrant) -> str:
+        if entrant.scope.deadline < entrant.started + self.limits.handshake_timeout:
+            return f"handshake timed out: no HELLO within {self.limits.hello_timeout:g}s"
+        return f"handshake timed out after {self.limits.handshake_timeout:g}s"
+
+    async def _hello(self, entrant: _Entrant, node: str) -> None:
+        """The client's HELLO claims ``node``: refuse it unless it may be that
+        node, then give it one of that node's handshake slots."""
+        if self.identity is not None:
+            await self.identity.check(node, entrant.ip)
+        self.gate.promote(entrant, node)
+        entrant.scope.deadline = entrant.started + self.limits.handshake_timeout
 
 
 class _ServerConnection:
@@ -1025,11 +1241,15 @@ class _ServerConnection:
         handler: Handler,
         limits: Limits,
         placer: Placer | None = None,
+        *,
+        budget: PeerBudget | None = None,
     ) -> None:
         self.channel = channel
         self.peer_node = peer_node
         self.handler = handler
         self.placer = placer
+        # Shared by the peer's connections (see the module docstring).
+        self.budget = budget if budget is not None else PeerBudget(limits.max_buffered_per_peer)
         self.who = f"{peer_node!r} ({channel.peer})"
         self._slots = trio.Semaphore(limits.max_concurrent_requests)
         self._active: dict[int, trio.CancelScope] = {}
@@ -1066,6 +1286,10 @@ class _ServerConnection:
             self._failure = reason
         self._cancel_all.cancel()
 
+    def evict(self, reason: str) -> None:
+        """Close this connection (its handlers are cancelled), logging ``reason``."""
+        self._fail(reason)
+
     async def _tell_peer(self, reason: str) -> None:
         with trio.move_on_after(auth.REFUSE_SEND_TIMEOUT):
             try:
@@ -1096,6 +1320,15 @@ class _ServerConnection:
             await self._slots.acquire()
             size = self.channel.payload_left
             placement = self._place(rtype, rmeta, size)
+            budgeted = 0
+            if placement is None and size:
+                try:
+                    # Over the peer's budget, stop reading until its other requests are done.
+                    await self.budget.acquire(size)
+                except BaseException:
+                    self._slots.release()
+                    raise
+                budgeted = size
             buffer = None if placement is not None else self._take(size)
             payload = EMPTY
             try:
@@ -1108,13 +1341,14 @@ class _ServerConnection:
                     payload = await self.channel.read_payload()
             except BaseException:
                 self._slots.release()
+                self.budget.release(budgeted)
                 if placement is not None:
                     _call_release(placement.release, self.who)
                 raise
             scope = trio.CancelScope()
             self._active[request_id] = scope
-            request = Request(rtype, rmeta, payload, request_id, placement)
-            nursery.start_soon(self._serve, request, scope, buffer)
+            request = Request(rtype, rmeta, payload, request_id, placement, self.budget)
+            nursery.start_soon(self._serve, request, scope, buffer, budgeted)
 
     def _place(self, rtype: str, meta: dict[str, Any], size: int) -> Placement | None:
         """Where the placer wants this payload; None (a pooled buffer) if it
@@ -1151,7 +1385,11 @@ class _ServerConnection:
             self._slots.release()
 
     async def _serve(
-        self, request: Request, scope: trio.CancelScope, buffer: bytearray | None = None
+        self,
+        request: Request,
+        scope: trio.CancelScope,
+        buffer: bytearray | None = None,
+        budgeted: int = 0,
     ) -> None:
         response: Response | None = None
         try:
@@ -1168,6 +1406,7 @@ class _ServerConnection:
                 _call_release(response.release, self.who)
             request.payload = EMPTY  # whoever still holds the request must not see reuse
             self._give_back(buffer)
+            self.budget.release(budgeted)
             if request.placement is not None:
                 _call_release(request.placement.release, self.who)
                 request.placement = None
@@ -1240,15 +1479,17 @@ async def serve(
     ssl_context: ssl.SSLContext | None = None,
     limits: Limits = DEFAULT_LIMITS,
     placer: Placer | None = None,
+    identity: IdentityCheck | None = None,
     task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Accept peers on (listen_host, port) until cancelled; `handler` answers
     requests, and `placer` (if given) may say where a request's payload is
-    received (see Placement).
+    received (see Placement). `identity` (identity.NodeIdentities) refuses a
+    node name claimed from the wrong address; without it any name is taken.
 
     Use ``listeners = await nursery.start(partial(serve, ...))``: the started
     value is the list of trio.SocketListener (port 0 picks a free port).
     """
-    server = _Server(node, secret, cluster_hash, handler, ssl_context, limits, placer)
+    server = _Server(node, secret, cluster_hash, handler, ssl_context, limits, placer, identity)
     listeners = await trio.open_tcp_listeners(port, host=listen_host)
     await trio.serve_listeners(server.handle, listeners, task_status=task_status)

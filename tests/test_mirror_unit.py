@@ -311,14 +311,15 @@ def test_a_holder_whose_content_is_being_changed_says_so_to_a_reader(tmp_path: P
     async def main() -> None:
         cache = make_cache(tmp_path)
 
-        async def local_read(file_id, version, off, n, into):
-            return await cache.read_held(file_id, version, off, n, into=into)
+        async def local_read(file_id, version, off, n, into, writer):
+            return await cache.read_held(file_id, version, off, n, into=into, writer=writer)
 
         alive = {"n1"}
         server = ReadServer(local_read, partial(cache.changing, writer_alive=alive.__contains__))
 
         async def ask(file_id: str) -> Response:
-            meta = {"file_id": file_id, "version": "v1", "offset": 0, "length": 100}
+            meta = {"file_id": file_id, "version": "v1", "offset": 0, "length": 100,
+                    "writer": "n1"}  # fmt: skip
             return await server.handle("n3", Request(READ, meta, b""))
 
         page = os.urandom(1000)
@@ -851,10 +852,12 @@ def test_a_late_commit_never_replaces_a_newer_one_and_a_commit_needs_its_floor(t
 PS = 4096  # small pages for the writer-and-buddy tests below
 
 
-def small_cache(tmp_path: Path, name: str) -> Cache:
+def small_cache(tmp_path: Path, name: str, node: str | None = None) -> Cache:
+    """Node ``node``'s cache (default ``name``), in files named after ``name``."""
     arena = Arena(tmp_path / f"arena-{name}", 64 * PS, PS)
     store = ChunkStore(tmp_path / "backing")
-    return Cache(arena, store, BackingIO(10), Journal(tmp_path / f"journal-{name}"), node=name)
+    journal = Journal(tmp_path / f"journal-{name}")
+    return Cache(arena, store, BackingIO(10), journal, node=node or name)
 
 
 class GatedLink:
@@ -1026,7 +1029,7 @@ def test_a_resync_takes_the_commit_lock_and_mirrors_only_unchanged_versions(tmp_
 
 def restarted_buddy(tmp_path: Path, link: GatedLink, name: str) -> Cache:
     """The buddy's daemon restarted empty: a new cache behind the same link."""
-    fresh = small_cache(tmp_path, name)
+    fresh = small_cache(tmp_path, name, node="n2")
     link.server = buddy_of_n1(fresh)
     return fresh
 

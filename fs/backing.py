@@ -308,7 +308,9 @@ def _replace_manifest(
         return Published.NAME_GONE  # a plain file was put at the path (another one)
     if current is not None and current.file_id != file_id:
         return Published.NAME_GONE
-    if expect_version is not None and (current is None or current.version != expect_version):
+    if expect_version is not None and (
+        current is None or not _ours_or_older(current, expect_version, manifest.seq)
+    ):
         return Published.STALE
     if before is not None:
         before()
@@ -322,6 +324,23 @@ def _replace_manifest(
         key=key,
     )
     return Published.DONE
+
+
+def _ours_or_older(current: Manifest, version: str, seq: int) -> bool:
+    """Whether a rewrite of ``version`` (of order ``seq``: made durable, new
+    metadata) may replace ``current``, the same file's manifest at its name:
+    ``current`` is that version, or an older one (by seq) that landed over it.
+
+    Why the second: a node's check of the version and its rename are one
+    store call but not atomic across nodes. Node A's durable V, checked
+    just before node B published its newer V' (B's close returned), lands
+    over V'; B's flush then finds V at the name. V' is the newer content, so
+    B publishes it again; dropping it as "rewritten elsewhere" would lose a
+    closed file. A version of unknown order (seq 0: an older manifest) or a
+    newer one (another close after ours) stays."""
+    if current.version == version:
+        return True
+    return 0 < current.seq < seq
 
 
 def _manifest_and_stat(
@@ -489,7 +508,15 @@ def _link_over(
                 current = None
             if current is not None and not current.sealed:
                 current = None  # not a manifest ckptfs wrote: not the version taken over
-            if current is None or current.file_id != file_id or current.version != expect_version:
+            if (
+                current is None
+                or current.file_id != file_id
+                or current.version != expect_version
+                or current.state != "pending"
+            ):
+                # Not exactly the pending version taken over (its writer,
+                # who only seemed dead, made it durable or replaced it):
+                # what is there stays.
                 try:
                     with times.change():
                         os.link(

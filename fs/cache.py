@@ -335,6 +335,7 @@ class Cache:
             self._notify(f)
         if f is not None and (f.modified or (f.version == m.version and not f.unlinked)):
             f.path = path
+            f.seq = max(f.seq, m.seq)  # (our next version goes after any we saw)
             if not f.modified:
                 f.mode, f.uid, f.gid = m.mode & 0o7777, uid, gid
                 f.mtime_ns, f.atime_ns = m.mtime_ns, m.atime
@@ -345,6 +346,7 @@ class Cache:
         )  # fmt: skip
         nf.content_gen = next(self._gen)
         nf.holders = list(m.holders)
+        nf.seq = m.seq
         nf.chunking = m.chunking
         if m.state == "durable":
             nf.state = FileState.DURABLE
@@ -374,6 +376,7 @@ class Cache:
         )  # fmt: skip
         f.state = FileState.PENDING
         f.holders = [self.node]
+        f.seq = int(record.get("seq", 0))
         dirty = {int(p): entry for p, entry in record["dirty"].items()}
         # [slot, fill, generation]; records of older daemons have no generation.
         gens = {p: int(entry[2]) for p, entry in dirty.items() if len(entry) > 2}
@@ -598,6 +601,9 @@ class Cache:
         """MODIFIED -> PUBLISHING: the content a commit is about to publish."""
         assert f.state is FileState.MODIFIED, f.state
         snap = self._snapshot(f, version)
+        # A new version: ordered after the one it replaces, and by the time
+        # of its close (another node's version of it may be older or newer).
+        snap.seq = max(f.seq + 1, time.time_ns())
         f.state = FileState.PUBLISHING
         f.publishing = snap
         self._notify(f)
@@ -611,7 +617,7 @@ class Cache:
         Returns whether the file is now PENDING.
         """
         f = snap.file
-        f.version = snap.version  # what the backing store names now, either way
+        f.version, f.seq = snap.version, snap.seq  # what the store names now, either way
         f.publishing = None
         for old in [r for r in self.retired if r.file_id == f.file_id and r is not f]:
             if old.state is FileState.PENDING:
@@ -718,7 +724,7 @@ class Cache:
 
     def _snapshot(self, f: CachedFile, version: str) -> Snapshot:
         pages = {p: Page(pg.state, pg.slot, pg.fill, pg.gen, pg.chunk) for p, pg in f.pages.items()}
-        return Snapshot(f, version, f.content_gen, f.size, pages, f.base)
+        return Snapshot(f, version, f.content_gen, f.size, pages, f.base, seq=f.seq)
 
     def _changed(self, f: CachedFile, p: int, page: Page) -> None:
         """Page ``p`` now holds new content: DIRTY, with a fresh generation."""
@@ -916,6 +922,7 @@ class Cache:
         # known here, so the takeover looks at both.
         _move_mirror(f, path)
         f.file_id, f.version, f.size = manifest.file_id, manifest.version, manifest.size
+        f.seq = manifest.seq
         f.mode, f.uid, f.gid = manifest.mode & 0o7777, uid, gid
         f.mtime_ns, f.atime_ns = manifest.mtime_ns, manifest.atime
         f.chunking, f.base = manifest.chunking, base
@@ -968,6 +975,9 @@ class Cache:
                 self.mirrors_kept += 1
                 self._notify(f)
                 return
+        # Its pages go now: no decision made before (a takeover's look at
+        # the manifest) may act on it after.
+        f.state = FileState.UNLINKED
         self.drop(f)
 
     def mirrors_of(self, origin: str) -> list[CachedFile]:
@@ -1012,8 +1022,8 @@ class Cache:
         """The writer of mirror ``f`` died: this node flushes it (fenced, at
         exactly its version). Content never committed is dropped: its close
         never returned."""
-        if f.role is not FileRole.MIRROR:
-            return False
+        if f.role is not FileRole.MIRROR or self.mirrors.get(f.mirror_id) is not f:
+            return False  # dropped (its pages are gone), or not a mirror
         if f.state is not FileState.PENDING:
             self._drop_mirror(f)
             return False

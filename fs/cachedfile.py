@@ -115,6 +115,7 @@ class Snapshot:
     pages: dict[int, Page]  # copies
     base: ChunkMap
     holders: list[str] = field(default_factory=list)  # for its pending manifest
+    seq: int = 0  # the order of ``version`` (Manifest.seq): a new version's at a commit
     pinned: list[int] = field(default_factory=list)
     threads: int = 0  # worker threads reading the pinned slots
     ended: bool = False  # the flush is over; pins go when the last thread does
@@ -156,6 +157,7 @@ class CachedFile:
     role: FileRole = FileRole.LOCAL
     mirror: MirrorState = MirrorState.NONE
     holders: list[str] = field(default_factory=list)
+    seq: int = 0  # the order of ``version`` among the file's versions (Manifest.seq)
     # Names this content on the buddy (a new one per content incarnation: a
     # new file, a fork, a file adopted after a restart, whose page
     # generations start again); for a MIRROR, the writer node it came from.

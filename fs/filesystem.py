@@ -856,9 +856,14 @@ class FileSystem:
         return fh, self._attr(inode, None)
 
     def _manifest(
-        self, f: CachedFile, version: str, size: int | None = None, holders: list[str] | None = None
+        self,
+        f: CachedFile,
+        version: str,
+        size: int | None = None,
+        holders: list[str] | None = None,
+        seq: int | None = None,
     ) -> Manifest:
-        """The pending manifest of ``f`` at ``version``."""
+        """The pending manifest of ``f`` at ``version`` (its ``seq``: f's)."""
         return Manifest(
             f.file_id,
             version,
@@ -868,6 +873,7 @@ class FileSystem:
             "pending",
             holders or [self.node],
             atime_ns=f.atime_ns,
+            seq=f.seq if seq is None else seq,
         )
 
     async def open(self, ino: int, flags: int, caller: Caller) -> tuple[int, bool]:
@@ -1672,12 +1678,12 @@ class FileSystem:
                     # any manifest names it as a holder (peer/mirror.py; falls
                     # back to local rather than raise, but may be cancelled).
                     snap.holders = await self.mirror.commit(
-                        snap, self._manifest(f, snap.version, snap.size)
+                        snap, self._manifest(f, snap.version, snap.size, seq=snap.seq)
                     )
                 path = f.path
                 result = await self.publish(
                     f,
-                    lambda: self._manifest(f, snap.version, snap.size, snap.holders),
+                    lambda: self._manifest(f, snap.version, snap.size, snap.holders, snap.seq),
                     before=save_record,
                 )
                 for _ in range(FOLLOWS):
@@ -1687,7 +1693,7 @@ class FileSystem:
                         break
                     result = await self.publish(
                         f,
-                        lambda: self._manifest(f, snap.version, snap.size, snap.holders),
+                        lambda: self._manifest(f, snap.version, snap.size, snap.holders, snap.seq),
                         before=save_record,
                     )
         except BaseException:
@@ -1885,6 +1891,7 @@ class FileSystem:
             return Manifest(
                 f.file_id, f.version, f.size, f.mode, f.mtime_ns, state, list(f.holders),
                 list(f.base.chunks) if state == "durable" else [], f.chunking, f.atime_ns,
+                seq=f.seq,
             )  # fmt: skip
 
         await self.publish(f, make, expect_version=f.version)

@@ -298,6 +298,7 @@ class Flusher:
             chunks=stored,
             chunking=kind,
             atime_ns=f.atime_ns,
+            seq=snap.seq,
         )
 
         # Checked again under the publish lock: the file may have changed; and

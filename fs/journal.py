@@ -15,10 +15,13 @@ never overtakes the save it undoes.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -34,6 +37,7 @@ from .state import PageState
 
 log = logging.getLogger("ckptfs.journal")
 Key = tuple[str, str]
+KEPT_ORDERS = 1 << 16  # keys whose latest write or removal is remembered
 # Runs a blocking function off the loop (tests pass one that runs it inline).
 ThreadRunner = Callable[..., Awaitable[Any]]
 
@@ -44,6 +48,7 @@ def record_of(snap: Snapshot) -> dict[str, Any]:
     return {
         "file_id": f.file_id,
         "version": snap.version,
+        "seq": snap.seq,
         "path": f.path,
         "size": snap.size,
         "mode": f.mode,
@@ -101,6 +106,8 @@ def check_record(record: object) -> str | None:
             check_rel(record["renamed_from"])
     except (KeyError, TypeError, ValueError, AttributeError):
         return "bad path"
+    if not _is_int(record.get("seq", 0)):
+        return "bad seq"
     if not _is_int(record.get("size")) or not _is_int(record.get("mode")):
         return "bad size or mode"
     if not _is_int(record.get("mtime_ns"), -(1 << 63) * 10**9, (1 << 63) * 10**9):
@@ -128,6 +135,15 @@ class Journal:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._locks: dict[Key, trio.Lock] = {}
         self._later_send, self._later_recv = trio.open_memory_channel[Key](math.inf)
+        # The order of the writes and removals of each key, as their threads
+        # began them (see _write). A store call the loop gave up on goes on
+        # in its thread with no lock held: its write must not land after a
+        # newer one, nor bring back a removed record. Bounded: a call is
+        # given up within the backing-store timeout, and keys older than
+        # KEPT_ORDERS newer ones are long past theirs.
+        self._order = itertools.count(1)
+        self._landed: OrderedDict[Key, int] = OrderedDict()
+        self._order_lock = threading.Lock()
 
     async def run_sync(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await self._run_sync(fn, *args)
@@ -206,14 +222,36 @@ class Journal:
                 failed.append((key, exc))
         return failed
 
+    def _begin(self) -> int:
+        with self._order_lock:
+            return next(self._order)
+
+    def _land(self, key: Key, order: int, act: Callable[[], None]) -> bool:
+        """``act`` (a replace or a removal of the key's record) unless a
+        write or removal begun after ``order`` landed first; True if done."""
+        with self._order_lock:
+            if self._landed.get(key, 0) > order:
+                return False
+            self._landed[key] = order
+            self._landed.move_to_end(key)
+            while len(self._landed) > KEPT_ORDERS:
+                self._landed.popitem(last=False)
+            act()
+            return True
+
     def _write(self, key: Key, record: dict[str, Any]) -> None:
+        order = self._begin()
         path = self._path(key)
-        tmp = path.with_suffix(".tmp")
+        # A name of its own per write: two writes of one key (one of them a
+        # call given up on) never write into each other's temporary file.
+        tmp = path.with_name(f"{path.name}.{order}.tmp")
         tmp.write_text(json.dumps(record))
-        os.replace(tmp, path)
+        if not self._land(key, order, lambda: os.replace(tmp, path)):
+            tmp.unlink(missing_ok=True)  # a newer write or a removal came first
 
     def _remove(self, key: Key) -> None:
-        self._path(key).unlink(missing_ok=True)
+        order = self._begin()
+        self._land(key, order, lambda: self._path(key).unlink(missing_ok=True))
 
     def load(self) -> list[dict[str, Any]]:
         """Every record (blocking; at startup, in a thread)."""

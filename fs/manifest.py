@@ -115,6 +115,10 @@ class Manifest:
     chunks: list[Chunk] = field(default_factory=list)
     chunking: str = "fixed"
     atime_ns: int | None = None  # absent in older manifests: then equal to mtime_ns
+    # Orders the versions of one file: a new version's is above the one it
+    # replaced and at least its close's time (ns), so nodes' publishes can
+    # tell an older version from a newer one (0: unknown, older manifests).
+    seq: int = 0
     # Whether ckptfs wrote it: True for one made here; for one read from the
     # store, whether its seal verified (see seal_of). Not part of the format.
     sealed: bool = field(default=True, compare=False)
@@ -146,6 +150,7 @@ class Manifest:
             state=self.state,
             chunking=self.chunking,
             atime_ns=self.atime_ns,
+            seq=self.seq,
         )
 
     @property
@@ -200,6 +205,7 @@ class Manifest:
                     if body.get("atime_ns") is None
                     else _int(body, "atime_ns", *_TIME_NS, where)
                 ),
+                seq=_int(body, "seq", 0, (1 << 63) - 1, where) if "seq" in body else 0,
                 sealed=sealed,
             )
         except ManifestError:

@@ -550,7 +550,7 @@ class MirrorClient:
                 }
             manifest = Manifest(
                 f.file_id, f.version, f.size, f.mode, f.mtime_ns, "pending", list(f.holders),
-                chunking=f.chunking, atime_ns=f.atime_ns,
+                chunking=f.chunking, atime_ns=f.atime_ns, seq=f.seq,
             )  # fmt: skip
             try:
                 await self._commit(snap, manifest)
@@ -685,9 +685,11 @@ class MirrorServer:
         refused = self._refuse(peer)
         if refused is not None:
             return refused
-        if request.type in (PAGE, COMMIT) and not self.is_alive(peer):
+        if request.type in (PAGE, COMMIT, DROP) and not self.is_alive(peer):
             # Its files were (or will be) taken over here: new content from it
-            # now would be held by nobody who takes it over when it dies.
+            # now would be held by nobody who takes it over when it dies, and
+            # a drop would free the pages of a mirror a takeover is about to
+            # flush (it reads the manifest first, and decides from that).
             return Response.fail(f"{peer} {NOT_ALIVE}; not mirroring")
         try:
             if request.type == PAGE:
@@ -897,8 +899,12 @@ class MirrorServer:
                 else:
                     if m is None:  # a directory or a plain file there now
                         m = Manifest(f.file_id, "", 0, 0, 0, "durable")
-                if f.role is not FileRole.MIRROR or f.version != version:
-                    continue  # changed hands, or was committed again, while we looked
+                if (
+                    f.role is not FileRole.MIRROR
+                    or f.version != version
+                    or f.state is not FileState.PENDING
+                ):
+                    continue  # changed hands, committed again or dropped while we looked
                 if m is not None and (m.version != f.version or m.state != "pending"):
                     log.info("not taking over %s from %s: no longer pending there",
                              f.path, origin)  # fmt: skip

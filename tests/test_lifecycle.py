@@ -198,6 +198,35 @@ def test_a_pending_version_rewritten_elsewhere_is_dropped_not_published(mounts):
     assert (m.mnt / "x.bin").read_bytes() == new
 
 
+def test_an_older_version_that_landed_over_a_newer_one_is_published_again(mounts):
+    """Another node's durable V, checked just before this node published V'
+    (whose close returned), lands over V': a check and a rename are one
+    store call each but not atomic across nodes. This node's flush then
+    finds the older V at the name: it must publish V' again (the newer
+    content, by the versions' order), not drop it as rewritten elsewhere."""
+    m = mounts()
+    m.mount(env={"CKPTFS_FLUSH_BANDWIDTH": "2MiB"})  # 3 chunks: about 4 s of flushing
+    older, newer = rand(MiB, 50), rand(12 * MiB, 51)
+    (m.mnt / "x.bin").write_bytes(newer)
+    assert m.file_state("x.bin") in ("dirty", "flushing")
+    mine = read_manifest(m.backing / "x.bin")
+    assert mine is not None and mine.seq > 0
+    ChunkStore(m.backing).put(chunk_hash(older), older)
+    write_store_manifest(
+        m.backing / "x.bin",
+        Manifest(
+            mine.file_id, new_id(), len(older), 0o644, time.time_ns(), "durable", ["other"],
+            [Chunk(0, len(older), chunk_hash(older))], seq=mine.seq - 1,
+        ),
+    )  # fmt: skip
+    m.wait_durable()
+    now = read_manifest(m.backing / "x.bin")
+    assert now is not None and (now.version, now.state) == (mine.version, "durable")
+    m.umount()
+    m.mount()
+    assert (m.mnt / "x.bin").read_bytes() == newer
+
+
 def test_recovery_reads_the_backing_store_off_the_loop_with_a_timeout(mounts):
     """A crashed daemon left a pending file; the new daemon's read of its
     manifest hangs (a dead NFS server, here a FIFO): the mount must still come up."""

@@ -23,7 +23,7 @@ from ckptfs.fs.chunkstore import ChunkStore
 from ckptfs.fs.journal import Journal, record_of
 from ckptfs.fs.manifest import MAGIC, Chunk, Manifest, new_id, read_manifest
 from ckptfs.fs.state import FileRole, FileState, MirrorState, PageState, Published
-from ckptfs.peer.mirror import COMMIT, PAGE, MirrorClient, MirrorServer, page_digest
+from ckptfs.peer.mirror import COMMIT, DROP, PAGE, MirrorClient, MirrorServer, page_digest
 from ckptfs.peer.reads import MOVED_ON, READ, ReadServer
 from ckptfs.peer.transport import Request, Response
 from conftest import write_store_manifest
@@ -1337,5 +1337,98 @@ def test_a_mirror_dropped_while_a_handle_here_reads_its_version_is_kept_for_it(t
         assert cache.mirror_drop("n1", "m9", "")
         assert cache.held_version("f2", "v1") is None and cache.mirror_slots == 0
         assert cache.dropped_here(g)
+
+    trio.run(main)
+
+
+def test_a_drop_from_a_writer_dead_to_us_cannot_empty_a_mirror_a_takeover_flushes(
+    tmp_path: Path,
+):
+    """The takeover reads the file's manifest before it takes the mirror
+    over; meanwhile a DROP comes from the writer, "dead" to this node but
+    still running (an asymmetric partition, slow heartbeats). The drop must
+    not free the pages of the mirror the takeover then flushes: taken over,
+    it reads back whole; it is never a file of holes published as durable."""
+
+    async def main() -> None:
+        cache = make_cache(tmp_path)
+        queued: list[CachedFile] = []
+        cache.on_pending = queued.append
+        data = os.urandom(MiB + 1000)
+        assert await cache.mirror_page("n1", "m1", "f1", 0, 1, memoryview(data[:MiB]), timeout=1)
+        assert await cache.mirror_page("n1", "m1", "f1", 1, 2, memoryview(data[MiB:]), timeout=1)
+        m = pending("f1", "v1", ["n1", "n2"])
+        m.size = len(data)
+        ram = {0: (1, MiB), 1: (2, 1000)}
+        assert cache.mirror_commit("n1", "m1", m, "a.pt", 0, 0, ram, {}, ChunkMap(), 2) == []
+        reading, answer = trio.Event(), trio.Event()
+
+        async def manifest_at(path: str) -> Manifest | None:
+            reading.set()
+            await answer.wait()
+            return m
+
+        server = MirrorServer(cache, mirrored_for=("n1",), timeout=0.2,
+                              manifest_at=manifest_at, is_alive=lambda name: False)  # fmt: skip
+        taken: list[int] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: _append(taken, server.take_over("n1")))
+            await reading.wait()
+            reply = await server.handle("n1", Request(DROP, {"drops": [["m1", "v1"]]}, b""))
+            answer.set()
+        assert not reply.ok  # a dead writer's mirrors are the takeover's
+        assert taken == [1] and len(queued) == 1
+        (f,) = queued
+        assert f.role is FileRole.TAKEOVER
+        assert bytes(await cache.read(f, 0, len(data))) == data
+
+    trio.run(main)
+
+
+async def _append(out: list[Any], awaitable: Any) -> None:
+    out.append(await awaitable)
+
+
+def test_a_mirror_dropped_during_a_takeovers_look_is_not_taken_over(tmp_path: Path):
+    """However a mirror is dropped while a takeover looks at its manifest
+    (its writer's sweep, a restart), the takeover queues no file whose pages
+    are gone."""
+
+    async def main() -> None:
+        cache = make_cache(tmp_path)
+        queued: list[CachedFile] = []
+        cache.on_pending = queued.append
+        data = os.urandom(1000)
+        assert await cache.mirror_page("n1", "m1", "f1", 0, 1, memoryview(data), timeout=1)
+        m = pending("f1", "v1", ["n1", "n2"])
+        m.size = len(data)
+        assert cache.mirror_commit("n1", "m1", m, "a.pt", 0, 0, {0: (1, 1000)}, {}, ChunkMap(),
+                                   1) == []  # fmt: skip
+
+        async def manifest_at(path: str) -> Manifest | None:
+            assert cache.mirror_drop("n1", "m1", "v1")  # while the look is on its way
+            return m
+
+        server = MirrorServer(cache, mirrored_for=("n1",), timeout=0.2,
+                              manifest_at=manifest_at, is_alive=lambda name: False)  # fmt: skip
+        assert await server.take_over("n1") == 0 and queued == []
+
+    trio.run(main)
+
+
+def test_a_takeover_never_publishes_over_the_version_made_durable(tmp_path: Path):
+    """The writer made the version durable (it only seemed dead): the fenced
+    publish of the takeover, matched by file id and version, must leave
+    the durable manifest, with its chunk list, as it is."""
+    (tmp_path / "d").mkdir()
+    made = Manifest("f1", "v1", 10, 0o644, 1, "durable", ["n1"], [Chunk(0, 10, "0" * 32)])
+    write_store_manifest(tmp_path / "d" / "a.pt", made, backing=tmp_path)
+
+    async def main() -> None:
+        b = Backing(tmp_path, BackingIO(5))
+        r = await b.takeover_manifest("d/a.pt", durable("f1", "v1"), file_id="f1",
+                                      expect_version="v1")  # fmt: skip
+        assert r is Published.STALE
+        assert read_manifest(tmp_path / "d" / "a.pt") == made
 
     trio.run(main)

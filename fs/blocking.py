@@ -19,6 +19,7 @@ up on a call the same way (``interruptible``, interrupts.py).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -34,6 +35,12 @@ from .interrupts import interruptible as interrupted_by_caller
 T = TypeVar("T")
 log = logging.getLogger("ckptfs.backing")
 DOWN_PROBE_INTERVAL = 5.0
+# Errors that say the store cannot take what is written (full), or is
+# failing; the health says so until a write succeeds, or this long passes
+# without another such error (a read's success proves no space).
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+FAILING_ERRNOS = frozenset({errno.EIO, errno.EROFS})
+TROUBLE_HOLD = 30.0
 # How much lower than the daemon's own the CPU priority of a thread doing
 # background work (a flush) is, for as long as it does it: the threads serve
 # FUSE requests too, and those keep the daemon's priority.
@@ -122,6 +129,9 @@ class BackingIO:
         self.slow_calls = 0
         self.timeouts = 0
         self._last_ok = time.monotonic()
+        # The last full or failing error (errno, what failed), and when.
+        self.trouble: tuple[int, str] | None = None
+        self._trouble_at = 0.0
 
     async def run(
         self,
@@ -182,14 +192,45 @@ class BackingIO:
                     raise
         except trio.TooSlowError:
             raise self.timed_out(label) from None
+        except OSError as exc:
+            if exc.errno in FULL_ERRNOS or exc.errno in FAILING_ERRNOS:
+                self._troubled(exc, label)
+            else:
+                self._last_ok = time.monotonic()  # it answered: not down
+            raise
         elapsed = time.monotonic() - start
         self._last_ok = time.monotonic()
+        if self.health in ("full", "failing") and self._last_ok - self._trouble_at < TROUBLE_HOLD:
+            return result  # a read that works says nothing of room to write
         if elapsed > min(5.0, self.timeout / 4):
             self.slow_calls += 1
             self._set_health("slow", f"{label} took {elapsed:.1f}s")
         else:
             self._set_health("normal", "")
         return result
+
+    def _troubled(self, exc: OSError, label: str) -> None:
+        self._last_ok = self._trouble_at = time.monotonic()
+        self.trouble = (exc.errno or 0, f"{label}: {exc.strerror or exc}")
+        health = "full" if exc.errno in FULL_ERRNOS else "failing"
+        self._set_health(health, f"({errno.errorcode.get(exc.errno or 0, exc.errno)}: {label})")
+
+    def wrote(self) -> None:
+        """A write to the store (a chunk, a manifest) succeeded: it is not
+        full, nor failing, any more."""
+        if self.health in ("full", "failing"):
+            self._set_health("normal", "(a write succeeded)")
+
+    def describe_trouble(self) -> dict[str, object] | None:
+        """The error behind a ``full`` or ``failing`` health, for ``stat``."""
+        if self.trouble is None or self.health not in ("full", "failing"):
+            return None
+        err, what = self.trouble
+        return {
+            "errno": errno.errorcode.get(err, str(err)),
+            "error": what,
+            "seconds_ago": round(time.monotonic() - self._trouble_at, 1),
+        }
 
     def timed_out(self, label: str) -> BackingTimeout:
         """A call ran past the timeout (seen here, or by whoever waits for a

@@ -163,6 +163,14 @@ class Core:
             and not self.cache.takeover_running
         )
 
+    def not_durable(self) -> list[tuple[str, int]]:
+        """(path, owner uid) of every file this node still owes the store:
+        written here and not durable, or taken over from a dead buddy."""
+        owed = [
+            f for f in self.cache.all_files() if not f.unlinked and (f.modified or f.owes_flush)
+        ]
+        return [(f.path, f.uid) for f in [*owed, *self.taken_over("")]]
+
     def taken_over(self, prefix: str) -> list[CachedFile]:
         """Dead buddies' files under ``prefix`` that this node took over and
         still owes the backing store."""

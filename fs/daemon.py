@@ -294,6 +294,8 @@ class Daemon:
                 "burst_latency": self.burst_latency.describe(),
             },
             "backing_health": core.io.health,
+            # The error behind a health of full or failing (errno, what, when).
+            "backing_error": core.io.describe_trouble(),
             "backing_calls": {
                 "total": core.io.calls,
                 "slow": core.io.slow_calls,
@@ -328,11 +330,42 @@ class Daemon:
         return {"ok": True, "freed": freed, "not_durable": kept}
 
     async def _unmount(self, req: dict[str, Any], peer: control.Peer) -> dict[str, Any]:
+        if req.get("force"):
+            return self._force_unmount(peer)
         timeout = req.get("timeout")
         result = await self.core.drain("", float(timeout) if timeout else None)
-        if result["ok"] or req.get("force"):
+        if result["ok"]:
             self.nursery.start_soon(self._terminate_soon)
         return result
+
+    def _force_unmount(self, peer: control.Peer) -> dict[str, Any]:
+        """Detach at once, flushing nothing (a full or hung store would make
+        the flush wait for ever): what is not durable stays in the cache,
+        with its journal, for the next mount of this mountpoint, as after a
+        second SIGTERM. Requests still waiting are answered with an error."""
+        left = self.core.not_durable()
+        log.warning(
+            "forced unmount of %s: %d file(s) not durable stay in %s for the next mount",
+            self.mountpoint,
+            len(left),
+            self.core.cache_root,
+        )
+        self._terminating = True
+        self.nursery.start_soon(self._abort_soon)
+        shown = left if peer.uid == 0 else [f for f in left if f[1] == peer.uid]
+        return {
+            "ok": True,
+            "forced": True,
+            "not_durable_count": len(left),
+            "not_durable": [path for path, _ in shown],
+            "cache": str(self.core.cache_root),
+        }
+
+    async def _abort_soon(self) -> None:
+        await trio.sleep(0.05)  # let the reply reach the client first
+        self._no_more_pushes()
+        if self.session is not None:
+            self.session.abort()
 
     async def _terminate_soon(self) -> None:
         self._terminating = True

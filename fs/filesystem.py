@@ -1776,6 +1776,7 @@ class FileSystem:
             )
             if result is Published.DONE:
                 f.replaces_plain = None
+                self.backing.io.wrote()  # room in the store again, if it was full
             return result
 
     async def follow_rename(self, f: CachedFile) -> bool:

@@ -390,6 +390,7 @@ class Flusher:
             self.bytes_deduped += length - written
             if written:
                 self._window.append((time.monotonic(), written))
+                self.io.wrote()  # room in the store again, if it was full
             out[i] = Chunk(off, length, digest)
             snap.file.flushed_bytes += length
 

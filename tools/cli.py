@@ -168,7 +168,17 @@ def cmd_umount(args: argparse.Namespace) -> int:
             raise CliError(f"not unmounted: {_refusal(reply)}")
         _detach(mountpoint)
     _wait_gone(mountpoint, pid, 60)
-    print(f"unmounted {mountpoint}")
+    left = int(reply.get("not_durable_count") or 0)
+    if reply.get("forced") and left:
+        names = reply.get("not_durable") or []
+        shown = "".join(f"\n  {name}" for name in names[:20])
+        more = f"\n  ... and {len(names) - 20} more" if len(names) > 20 else ""
+        print(
+            f"unmounted {mountpoint} without flushing: {left} file(s) not durable stay in "
+            f"{reply.get('cache')} for the next mount of it{shown}{more}"
+        )
+    else:
+        print(f"unmounted {mountpoint}")
     return 0
 
 
@@ -290,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--force",
         action="store_true",
-        help="unmount even if the flush fails (dirty data stays in the tmpfs cache)",
+        help="unmount at once, without flushing (what is not durable stays in the tmpfs "
+        "cache, with its journal, for the next mount)",
     )
     p.add_argument("--config", help=CONFIG_HELP)
     p.set_defaults(func=cmd_umount)

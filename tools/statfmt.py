@@ -90,12 +90,20 @@ def not_shown_text(counts: dict[str, int]) -> str:
     )
 
 
+def trouble_text(trouble: dict[str, Any] | None) -> str:
+    """Why the store is full or failing: ``(ENOSPC: ... 12s ago)``."""
+    if not trouble:
+        return ""
+    return f" ({trouble['errno']}: {trouble['error']}, {trouble['seconds_ago']:.0f}s ago)"
+
+
 def format_stat(s: dict[str, Any]) -> str:
     c, fl = s["cache"], s["flush"]
     lines = [
         f"ckptfs at {s['mountpoint']}  node {s['node']}  pid {s['pid']}  "
         f"durability {s['durability']}",
         f"backing: {s['backing']}  health {s['backing_health']}"
+        + trouble_text(s.get("backing_error"))
         + left_running_text(c.get("chunk_reads_left_running", 0)),
         f"cache:   {human(c['used'])} used of {human(c['capacity'])}, {human(c['dirty'])} dirty"
         # .get: a daemon started before this CLI was installed has no state.

@@ -104,6 +104,14 @@ class StoreDirs:
             os.fchmod(fd, 0o700)
         return fd
 
+    def __del__(self) -> None:
+        # A store used without close (an offline tool's ChunkStore, a test's)
+        # gives its descriptors back when it goes.
+        try:
+            self.close()
+        except (AttributeError, OSError):
+            pass
+
     def close(self) -> None:
         with self._lock:
             for fd in self._fds.values():

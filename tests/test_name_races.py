@@ -154,8 +154,8 @@ def test_a_lookup_racing_a_rename_binds_what_the_name_is(h: Harness) -> None:
     read_done, go_on = trio.Event(), trio.Event()
     results: dict[str, object] = {}
 
-    async def held_entry(path: str):  # noqa: ANN202 - the backing store's Entry
-        entry = await real_entry(path)
+    async def held_entry(path: str, *args):  # noqa: ANN202 - the backing store's Entry
+        entry = await real_entry(path, *args)
         if trio.lowlevel.current_task().name.endswith("walk") and not read_done.is_set():
             read_done.set()
             await go_on.wait()

@@ -60,6 +60,9 @@ PRUNE_SLACK = 1024
 MAX_FILE_SIZE = 1 << 44
 BACKPRESSURE_WARN_SECONDS = 60.0
 MAX_GONE_MIRRORS = 65536
+# Renames of mirrors not held yet (a rename crossing a close's first page:
+# rare), each path up to a request's meta size: bounded apart.
+MAX_EARLY_PATHS = 1024
 BACKPRESSURE_POLL = 1.0  # seconds between looks for space, besides being woken
 
 
@@ -84,10 +87,13 @@ class HoldersFailed(OSError):
         self.moved_on = moved_on
 
 
-def _remember(seen: dict[Any, None], key: Any) -> None:
-    """Adds ``key`` to a bounded record of mirrors gone (oldest out)."""
-    seen[key] = None
-    if len(seen) > MAX_GONE_MIRRORS:
+def _remember(
+    seen: dict[Any, Any], key: Any, value: Any = None, limit: int = MAX_GONE_MIRRORS
+) -> None:
+    """Adds ``key`` to a bounded record of mirrors (oldest out)."""
+    seen.pop(key, None)
+    seen[key] = value
+    if len(seen) > limit:
         del seen[next(iter(seen))]
 
 
@@ -182,6 +188,9 @@ class Cache:
         # Mirror ids whose content the writer abandoned for good: a page of
         # one still in flight must not bring it back (bounded, oldest out).
         self._gone_mirrors: dict[str, None] = {}
+        # Paths that writers' renames announced for mirror ids not held here
+        # yet, by (writer, mirror id) (bounded, oldest out): see mirror_rename.
+        self._early_paths: dict[tuple[str, str], str] = {}
         # Mirrors kept for handles here that read their version (FileRole.KEPT),
         # by (file id, version); they count as mirrored RAM until dropped.
         self.kept_mirrors: dict[tuple[str, str], CachedFile] = {}
@@ -752,12 +761,14 @@ class Cache:
     # ----- buddy mirroring: the buddy's side ------------------------------------
     async def mirror_page(
         self, origin: str, mid: str, file_id: str, p: int, gen: int, data: memoryview, *,
-        timeout: float,
+        timeout: float, admit: Callable[[], bool] = lambda: True,
     ) -> bool:  # fmt: skip
         """Hold page ``p`` (writer's generation ``gen``) of a buddy's content.
 
         Waits up to ``timeout`` for room within the mirror quota and returns
-        False if there is none (the writer retries: a full buddy slows it).
+        False if there is none (the writer retries: a full buddy slows it),
+        or if ``admit()`` (whether the writer may still change its mirrors)
+        says no once there is room.
         """
         f = self._mirror_for(origin, mid, file_id, file_id)
         if _adds_nothing(f, p, gen, len(data)):
@@ -770,6 +781,12 @@ class Cache:
             if self.mirrors.get(mid) is not f or f.role is not FileRole.MIRROR:
                 self._free_slot(slot)  # dropped or taken over meanwhile
                 return True
+            if not admit():
+                # Its writer was declared dead while this page waited: the
+                # mirror is its takeover's, which flushes the committed
+                # version (this page would make it uncommitted content).
+                self._free_slot(slot)
+                return False
             try:
                 self.arena.write(slot, 0, data)
             except BaseException:
@@ -844,7 +861,8 @@ class Cache:
             raise OSError(errno.ESTALE, f"mirror {mid} of {what} was dropped by its writer")
         f = self.mirrors.get(mid)
         if f is None:
-            f = CachedFile(file_id, "", "", 0, 0o600, 0, 0, 0, 0, self.page_size)
+            path = self._early_paths.pop((origin, mid), "")
+            f = CachedFile(file_id, "", path, 0, 0o600, 0, 0, 0, 0, self.page_size)
             f.role, f.mirror_id, f.origin = FileRole.MIRROR, mid, origin
             self.mirrors[mid] = f
         if f.role is not FileRole.MIRROR or f.origin != origin:
@@ -935,8 +953,19 @@ class Cache:
         return []
 
     def mirror_rename(self, origin: str, mid: str, path: str) -> bool:
+        """The writer is about to rename the file of mirror ``mid`` to
+        ``path``; whether that mirror is held here.
+
+        One not held yet is remembered with that path: a file closed while
+        it is renamed may have its first page and its commit arrive after
+        the rename's message, the commit naming the old path (read before
+        the rename moved the file there). The takeover must know both."""
         f = self.mirrors.get(mid)
-        if f is None or f.origin != origin:
+        if f is None:
+            if mid not in self._gone_mirrors:
+                _remember(self._early_paths, (origin, mid), path, MAX_EARLY_PATHS)
+            return False
+        if f.origin != origin:
             return False
         _move_mirror(f, path)
         return True
@@ -952,6 +981,7 @@ class Cache:
         if f is not None and f.origin != origin:
             return False
         _remember(self._gone_mirrors, mid)
+        self._early_paths.pop((origin, mid), None)
         if f is None or f.role is not FileRole.MIRROR:
             return False
         if version and (f.version != version or f.state is not FileState.PENDING):

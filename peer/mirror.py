@@ -42,6 +42,7 @@ only if the pending manifest at its path names its sender as the writer.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -96,6 +97,10 @@ DAMAGED_RESENDS = 3
 MAX_DROPS = 512  # per request
 MAX_PENDING_DROPS = 100_000  # kept while the buddy is unreachable
 COMMIT_ROUNDS = 3  # commit, resend what the buddy lacks, commit again
+# A takeover looks at a mirror's manifest again when a rename of it was
+# announced during its look; at most this many times (then it takes the
+# mirror over without a look: the fenced publish decides).
+PATH_LOOKS = 4
 # The buddy's sweep for mirrors nobody told it to drop; a mirror younger than
 # SWEEP_AGE may belong to a commit whose manifest is being written.
 SWEEP_INTERVAL = 10.0
@@ -180,6 +185,11 @@ class MirrorClient:
             if f.content_gen != snap.content_gen:
                 return [self.node]  # changed meanwhile: the next commit mirrors it
             self._fall_back(f, str(exc))
+            return [self.node]
+        if f.mirror is MirrorState.FALLBACK:
+            # It fell back while the buddy took it (a rename's message failed
+            # meanwhile): a drop of its mirror is on its way to the buddy, so
+            # no manifest may name the buddy, and it is not mirrored.
             return [self.node]
         self.commits += 1
         if f.content_gen == snap.content_gen and f.state is FileState.PUBLISHING:
@@ -787,9 +797,16 @@ class MirrorServer:
                     damaged = p
                     break
                 wait = max(0.0, until - trio.current_time())
-                if not await self.cache.mirror_page(peer, mid, file_id, p, gen, data, timeout=wait):
+                if not await self.cache.mirror_page(
+                    peer, mid, file_id, p, gen, data, timeout=wait,
+                    admit=lambda: self.is_alive(peer),
+                ):  # fmt: skip
                     break
                 held.append(p)
+            if len(held) < len(pages) and not self.is_alive(peer):
+                # Declared dead while a page waited for room: refused, as at
+                # the start of the request (the takeover's now).
+                return Response.fail(f"{peer} {NOT_ALIVE}; not mirroring")
         quota = self.cache.mirror_quota * self.cache.page_size
         reply: dict[str, Any] = {"held": held, "busy": len(held) < len(pages), "quota": quota}
         if damaged is not None:
@@ -934,16 +951,41 @@ class MirrorServer:
 
     async def _manifest_of(self, f: CachedFile) -> Manifest | None:
         """The manifest at the mirror's path, or at a path it had before (a
-        rename the writer announced may have failed); adopts the path found."""
+        rename the writer announced may have failed); adopts the path found.
+
+        Looked at again if a rename of it was announced while it looked: a
+        manifest read at the old path just before the writer's rename landed
+        there must not send the mirror back to that path (its fenced publish
+        would find nothing there, and the closed file would be dropped)."""
+        for _ in range(PATH_LOOKS):
+            at = f.path
+            try:
+                path, m = await self._first_manifest(f)
+            except FileNotFoundError:
+                if f.path != at:
+                    continue
+                raise
+            if f.path != at:
+                continue  # renamed while we looked
+            if path is not None:
+                f.path = path
+            return m
+        raise OSError(
+            errno.EAGAIN, f"{f.path} was renamed {PATH_LOOKS} times while its takeover looked"
+        )
+
+    async def _first_manifest(self, f: CachedFile) -> tuple[str | None, Manifest | None]:
+        """The first of the mirror's paths (its current, then its earlier
+        ones) with a manifest of its file, and that manifest; else (None,
+        whatever is at its current path), FileNotFoundError if nothing."""
         for path in [f.path, *reversed(f.prior_paths)]:
             try:
                 m = await self.manifest_at(path)
             except FileNotFoundError:
                 continue
             if m is not None and m.file_id == f.file_id:
-                f.path = path
-                return m
-        return await self.manifest_at(f.path)  # raises FileNotFoundError if none
+                return path, m
+        return None, await self.manifest_at(f.path)
 
     async def sweep(self) -> None:
         """Background: drop mirrors whose version is no longer pending at its
@@ -951,25 +993,34 @@ class MirrorServer:
         a writer that restarted). A dead writer's mirrors are the takeover's."""
         while True:
             await trio.sleep(SWEEP_INTERVAL)
-            now = time.time()
-            for f in list(self.cache.mirrors.values()):
-                if (
-                    f.role is not FileRole.MIRROR
-                    or f.state is not FileState.PENDING
-                    or not self.is_alive(f.origin)
-                    or now - (f.closed_at or now) < SWEEP_AGE
-                ):
-                    continue
-                version = f.version
-                try:
-                    m = await self.manifest_at(f.path)
-                except (OSError, ManifestError):
-                    continue  # missing (a rename on its way?) or unreadable: keep it
-                if m is not None and m.version == version and m.state == "pending":
-                    continue
-                if self.cache.mirror_drop(f.origin, f.mirror_id, version):
-                    log.info("dropped the mirror of %s from %s: no longer pending there",
-                             f.path, f.origin)  # fmt: skip
+            await self.sweep_once()
+
+    async def sweep_once(self) -> None:
+        """One pass of the sweep over the mirrors held now."""
+        now = time.time()
+        for f in list(self.cache.mirrors.values()):
+            if (
+                f.role is not FileRole.MIRROR
+                or f.state is not FileState.PENDING
+                or not self.is_alive(f.origin)
+                or now - (f.closed_at or now) < SWEEP_AGE
+            ):
+                continue
+            version, path = f.version, f.path
+            try:
+                m = await self.manifest_at(path)
+            except (OSError, ManifestError):
+                continue  # missing (a rename on its way?) or unreadable: keep it
+            if f.path != path:
+                # Renamed while we looked (the writer announces a rename
+                # before it makes it): what we read at the old path may be
+                # another file put there since. The next pass looks again.
+                continue
+            if m is not None and m.version == version and m.state == "pending":
+                continue
+            if self.cache.mirror_drop(f.origin, f.mirror_id, version):
+                log.info("dropped the mirror of %s from %s: no longer pending there",
+                         f.path, f.origin)  # fmt: skip
 
     def restarted(self, origin: str) -> int:
         """``origin`` came back as a new process: what it was still sending

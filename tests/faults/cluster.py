@@ -130,6 +130,11 @@ class Cluster:
         }
         self.store: CountingMount | None = None
         self._stack = ExitStack()
+        # Held by every mount; close() takes it and sets `closing`, so that
+        # no daemon starts (a fault's restart in another thread) once the
+        # daemons are being stopped.
+        self._mount_lock = threading.Lock()
+        self.closing = False
 
     # ----- setting up and tearing down ------------------------------------------------
     def __enter__(self) -> Cluster:
@@ -185,6 +190,10 @@ class Cluster:
 
     def _stop_daemons(self) -> None:
         """Kill every daemon (a stopped one too), detach its mount, drop its cache."""
+        taken = self._mount_lock.acquire(timeout=MOUNT_TIMEOUT + 20)
+        self.closing = True
+        if taken:
+            self._mount_lock.release()
         for node in self.nodes.values():
             pid = node.pid or self._pid_file(node)
             if pid is not None:
@@ -204,12 +213,15 @@ class Cluster:
                 str(node.mnt), "--backing", str(self.backing), "--config", str(self.config),
                 "--node", node.name, "--cache-size", self.cache_size]  # fmt: skip
         node.mnt.mkdir(parents=True, exist_ok=True)
-        try:
-            done = subprocess.run(
-                argv, env=node.env, capture_output=True, text=True, timeout=MOUNT_TIMEOUT + 10
-            )
-        except subprocess.TimeoutExpired:
-            raise ClusterError(f"mount of {node.name} did not return in time") from None
+        with self._mount_lock:
+            if self.closing:
+                raise ClusterError(f"not mounting {node.name}: the cluster is closing")
+            try:
+                done = subprocess.run(
+                    argv, env=node.env, capture_output=True, text=True, timeout=MOUNT_TIMEOUT + 10
+                )
+            except subprocess.TimeoutExpired:
+                raise ClusterError(f"mount of {node.name} did not return in time") from None
         if done.returncode != 0 or not is_mounted(node.mnt):
             raise ClusterError(f"mount of {node.name} failed: {done.stderr.strip()}")
         node.pid = self._pid_file(node)

@@ -18,6 +18,7 @@ import argparse
 import os
 import random
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -542,4 +543,9 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("fault_trials: needs root (network namespaces, FUSE mounts)", file=sys.stderr)
         return 2
+
+    def interrupted(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # so that everything started is cleaned up
+
+    signal.signal(signal.SIGTERM, interrupted)
     return Trials(parse_args(argv)).run()

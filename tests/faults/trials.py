@@ -545,7 +545,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     def interrupted(signum: int, frame: object) -> None:
+        # Once: a second signal must not cut the cleanup short.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise KeyboardInterrupt  # so that everything started is cleaned up
 
+    signal.signal(signal.SIGINT, interrupted)
     signal.signal(signal.SIGTERM, interrupted)
     return Trials(parse_args(argv)).run()

@@ -8,8 +8,9 @@ SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
-# gcc and python3-dev: the compiled FUSE reader (fs/_fastreader.c) and pyfuse3.
-$SUDO apt-get install -y -qq fuse3 libfuse3-dev pkg-config gcc python3-dev rsync openssl >/dev/null
+# gcc and python3-dev: the compiled FUSE reader (fs/_fastreader.c) and pyfuse3;
+# iproute2 and iptables: the fault trials' network namespaces and packet loss.
+$SUDO apt-get install -y -qq fuse3 libfuse3-dev pkg-config gcc python3-dev rsync openssl iproute2 iptables >/dev/null
 [ -x .venv/bin/python ] || python3 -m venv .venv
 # torch first and pinned: a bare "torch" requirement would pull a CUDA build.
 .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0

@@ -31,6 +31,15 @@ server is shared by the nodes of a cluster: a read's reply leaves once the
 bytes of every read before it and its own have crossed that link. The
 default, 0, is no limit.
 
+With ``--faults FILE`` the store can be made to misbehave on command, as an
+NFS server does (tests/faults/, the fault trials): the caller writes
+``{"mode": M, "gen": N}`` to FILE and sends SIGUSR2; the mode holds from
+then on, and ``FILE.ack`` says ``N`` once it does. Modes: ``ok`` (the
+default), ``stall`` (every request waits until the mode changes: a hung
+server), ``enospc`` (whatever would allocate space fails with ENOSPC: a full
+store) and ``eio`` (reads, writes and fsyncs of file contents fail with EIO:
+a failing disk). Without ``--faults`` nothing of this exists.
+
 ``counting_mount`` (below) runs it for a test and always unmounts and stops it.
 """
 
@@ -61,6 +70,7 @@ IO_THREADS = 16
 PUBLISH_INTERVAL = 0.1
 LINK_BURST = 4 << 20  # bytes of idle link time a reader may use at once (--read-mbps)
 CHUNKS = os.path.join(".ckptfs", "chunks") + os.sep
+GONE = "\0gone"  # the path of a node whose name went (no real path has a NUL)
 
 
 class Link:
@@ -107,11 +117,47 @@ class Counters:
         return dict(self.__dict__)
 
 
+# What each request is to the injected faults (--faults): every request
+# waits out a stall; "alloc" requests fail on a full store, "data" requests
+# (and writes) on a failing one.
+FAULT_MODES = ("ok", "stall", "enospc", "eio")
+ALLOC_OPS = {"create", "mkdir", "mknod", "symlink", "link", "rename", "write"}
+DATA_OPS = {"read", "write", "fsync", "fsyncdir"}
+
+
+class Faults:
+    """The fault mode now in force; requests pass through :meth:`gate`."""
+
+    def __init__(self) -> None:
+        self.mode = "ok"
+        self.resumed = trio.Event()
+        self.resumed.set()
+
+    def set(self, mode: str) -> None:
+        if mode not in FAULT_MODES:
+            raise ValueError(f"unknown fault mode {mode!r}")
+        if mode == "stall" and self.mode != "stall":
+            self.resumed = trio.Event()
+        elif mode != "stall":
+            self.resumed.set()
+        self.mode = mode
+
+    async def gate(self, op: str) -> None:
+        if self.mode == "stall":
+            await self.resumed.wait()
+        if self.mode == "enospc" and op in ALLOC_OPS:
+            raise pyfuse3.FUSEError(errno.ENOSPC)
+        if self.mode == "eio" and op in DATA_OPS:
+            raise pyfuse3.FUSEError(errno.EIO)
+
+
 def fuse_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """OSError -> its errno; anything else -> EIO, logged (pyfuse3 answers only FUSEError)."""
+    """OSError -> its errno; anything else -> EIO, logged (pyfuse3 answers only
+    FUSEError). Every request first passes the injected faults' gate."""
 
     async def wrapper(*args: Any) -> Any:
         try:
+            await args[0].faults.gate(fn.__name__)
             return await fn(*args)
         except pyfuse3.FUSEError:
             raise
@@ -146,9 +192,12 @@ class CountingFS(pyfuse3.Operations):
         self.next_dir = 1
         self.counters = Counters()
         self.limiter = trio.CapacityLimiter(IO_THREADS)
+        self.faults = Faults()
 
     # ----- helpers ----------------------------------------------------------
     def _real(self, rel: str) -> str:
+        if GONE in rel:  # a node whose name went, or a name beneath it
+            raise pyfuse3.FUSEError(errno.ESTALE)
         return os.path.join(self.real, rel) if rel else self.real
 
     def _node(self, inode: int) -> Node:
@@ -193,21 +242,24 @@ class CountingFS(pyfuse3.Operations):
         return e
 
     def _stat(self, node: Node) -> os.stat_result:
-        try:
-            st = os.lstat(self._real(node.path))
-            if (st.st_dev, st.st_ino) == node.key:
-                return st
-        except FileNotFoundError:
-            pass
+        if node.path != GONE:
+            try:
+                st = os.lstat(self._real(node.path))
+                if (st.st_dev, st.st_ino) == node.key:
+                    return st
+            except FileNotFoundError:
+                pass
         for fd in node.fds:  # unlinked or replaced, still open
             return os.fstat(fd)
-        raise pyfuse3.FUSEError(errno.ENOENT)
+        # A file renamed over by another name has no name left: as an NFS
+        # server says of such a handle (the kernel looks the name up again).
+        raise pyfuse3.FUSEError(errno.ESTALE if node.path == GONE else errno.ENOENT)
 
     def _moved(self, old: str, new: str) -> None:
         """Names under ``old`` are now under ``new`` (after a rename)."""
         replaced = self.by_path.pop(new, None)
         if replaced is not None and replaced in self.nodes and self.nodes[replaced].path == new:
-            self.nodes[replaced].path = "\0gone"  # keeps only its open fds
+            self.nodes[replaced].path = GONE  # keeps only its open fds
         prefix = old + os.sep
         for rel in [r for r in self.by_path if r == old or r.startswith(prefix)]:
             ino = self.by_path.pop(rel)
@@ -218,7 +270,7 @@ class CountingFS(pyfuse3.Operations):
     def _gone(self, rel: str) -> None:
         ino = self.by_path.pop(rel, None)
         if ino is not None and ino in self.nodes:
-            self.nodes[ino].path = "\0gone"
+            self.nodes[ino].path = GONE
 
     async def _io(self, fn: Callable[..., T], *args: Any) -> T:
         return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
@@ -289,28 +341,35 @@ class CountingFS(pyfuse3.Operations):
         return True  # the daemons run as root
 
     # ----- directories --------------------------------------------------------------
-    @fuse_errors
-    async def opendir(self, inode: int, ctx: Any) -> int:
-        rel = self._node(inode).path
-        path = self._real(rel)
+    def _listing(self, rel: str) -> list[tuple[str, os.stat_result]]:
         entries = []
-        with os.scandir(path) as it:
+        with os.scandir(self._real(rel)) as it:
             for d in it:
                 try:
                     entries.append((d.name, d.stat(follow_symlinks=False)))
                 except FileNotFoundError:
                     continue  # removed meanwhile
         entries.sort()
+        return entries
+
+    @fuse_errors
+    async def opendir(self, inode: int, ctx: Any) -> int:
+        rel = self._node(inode).path
         fh = self.next_dir
         self.next_dir += 1
-        self.dirs[fh] = entries
+        self.dirs[fh] = self._listing(rel)
         self.dir_paths[fh] = rel
         return fh
 
     @fuse_errors
     async def readdir(self, fh: int, start_id: int, token: Any) -> None:
-        entries = self.dirs.get(fh, [])
         parent = self.dir_paths.get(fh, "")
+        if start_id == 0 and fh in self.dirs:
+            # A listing from the start (a rewinddir of a directory kept
+            # open) is taken anew, as an NFS server answers READDIR from
+            # cookie 0 with the directory as it is now.
+            self.dirs[fh] = self._listing(parent)
+        entries = self.dirs.get(fh, [])
         for i in range(start_id, len(entries)):
             name, st = entries[i]
             rel = os.path.join(parent, name) if parent else name
@@ -472,7 +531,26 @@ async def publish(fs: CountingFS, path: Path) -> None:
                     break
 
 
-async def run(real: Path, mountpoint: Path, counters: Path, read_mbps: float = 0) -> None:
+async def take_faults(fs: CountingFS, path: Path) -> None:
+    """On SIGUSR2: the mode written in ``path`` holds from now on; ``path.ack``
+    names its generation once it does."""
+    with trio.open_signal_receiver(signal.SIGUSR2) as signals:
+        async for _ in signals:
+            try:
+                order = json.loads(path.read_text())
+                fs.faults.set(str(order["mode"]))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("bad fault order in %s: %s", path, exc)
+                continue
+            ack = path.with_name(path.name + ".ack")
+            tmp = ack.with_name(ack.name + ".tmp")
+            tmp.write_text(json.dumps({"mode": fs.faults.mode, "gen": order.get("gen")}))
+            os.replace(tmp, ack)
+
+
+async def run(
+    real: Path, mountpoint: Path, counters: Path, read_mbps: float = 0, faults: Path | None = None
+) -> None:
     fs = CountingFS(real, Link(read_mbps * 1e6))
     options = set(pyfuse3.default_options) | {"fsname=countingfs", "allow_other"}
     options.discard("default_permissions")
@@ -480,6 +558,8 @@ async def run(real: Path, mountpoint: Path, counters: Path, read_mbps: float = 0
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(publish, fs, counters)
+            if faults is not None:
+                nursery.start_soon(take_faults, fs, faults)
 
             async def stop_on_signal() -> None:
                 with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -505,6 +585,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--read-mbps", type=float, default=0, help="the shared read link's MB/s (0: no limit)"
     )
+    parser.add_argument(
+        "--faults", type=Path, help="a file of fault orders, read on SIGUSR2 (see above)"
+    )
     args = parser.parse_args(argv)
     if args.read_mbps < 0:
         parser.error("--read-mbps must not be negative")
@@ -515,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
         args.mountpoint.resolve(),
         args.counters.resolve(),
         args.read_mbps,
+        args.faults.resolve() if args.faults else None,
     )
     return 0
 
@@ -527,9 +611,37 @@ def is_mounted(path: Path) -> bool:
 
 class CountingMount:
     def __init__(
-        self, real: Path, mountpoint: Path, counters: Path, proc: subprocess.Popen
+        self,
+        real: Path,
+        mountpoint: Path,
+        counters: Path,
+        proc: subprocess.Popen,
+        faults: Path | None = None,
     ) -> None:
         self.real, self.mountpoint, self.counters_path, self.proc = real, mountpoint, counters, proc
+        self.faults_path = faults
+        self.fault_gen = 0
+
+    def inject(self, mode: str, timeout: float = 10.0) -> None:
+        """Put the store in fault ``mode`` (FAULT_MODES); returns once it holds."""
+        if self.faults_path is None:
+            raise AssertionError("countingfs was started without --faults")
+        self.fault_gen += 1
+        gen = self.fault_gen
+        tmp = self.faults_path.with_name(self.faults_path.name + ".tmp")
+        tmp.write_text(json.dumps({"mode": mode, "gen": gen}))
+        os.replace(tmp, self.faults_path)
+        ack = self.faults_path.with_name(self.faults_path.name + ".ack")
+        self.proc.send_signal(signal.SIGUSR2)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if json.loads(ack.read_text()).get("gen") == gen:
+                    return
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.01)
+        raise AssertionError(f"countingfs at {self.mountpoint} did not take mode {mode!r}")
 
     def counters(self, timeout: float = 10.0) -> dict[str, int]:
         """The counters now: asks for a fresh write (SIGUSR1) and waits for it."""
@@ -546,26 +658,34 @@ class CountingMount:
 
 
 @contextmanager
-def counting_mount(real: Path, mountpoint: Path, timeout: float = 30.0) -> Iterator[CountingMount]:
-    """Mount countingfs of ``real`` at ``mountpoint``; always unmount and stop it."""
+def counting_mount(
+    real: Path, mountpoint: Path, timeout: float = 30.0, faults: bool = False
+) -> Iterator[CountingMount]:
+    """Mount countingfs of ``real`` at ``mountpoint``; always unmount and stop
+    it. With ``faults``, :meth:`CountingMount.inject` can make it misbehave."""
     real.mkdir(parents=True, exist_ok=True)
     mountpoint.mkdir(parents=True, exist_ok=True)
     counters = mountpoint.parent / f"{mountpoint.name}.counters.json"
     log_path = mountpoint.parent / f"{mountpoint.name}.countingfs.log"
+    argv = [sys.executable, __file__, str(real), str(mountpoint), "--counters", str(counters)]
+    faults_path = mountpoint.parent / f"{mountpoint.name}.faults.json" if faults else None
+    if faults_path is not None:
+        argv += ["--faults", str(faults_path)]
     with open(log_path, "ab") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, __file__, str(real), str(mountpoint), "--counters", str(counters)],
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-        )
+        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + timeout
         while not (is_mounted(mountpoint.resolve()) and counters.exists()):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"countingfs did not mount: {log_path.read_text()}")
             time.sleep(0.05)
-        yield CountingMount(real, mountpoint, counters, proc)
+        yield CountingMount(real, mountpoint, counters, proc, faults_path)
     finally:
+        if faults_path is not None and proc.poll() is None:
+            try:  # a stalled store would hold up the unmount's requests
+                CountingMount(real, mountpoint, counters, proc, faults_path).inject("ok")
+            except AssertionError:
+                pass
         if is_mounted(mountpoint.resolve()):
             subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True,
                            timeout=30)  # fmt: skip

@@ -965,7 +965,9 @@ class FileSystem:
             deadline = inode.checked_at + self.config.open_recheck
         if deadline <= time.monotonic():
             return None
-        ticket = OpenTicket(deadline, inode.kernel_version == f.version and not f.modified)
+        if inode.kernel_version != f.version or f.modified:
+            return None  # the kernel's attributes may be another version's: the Python open
+        ticket = OpenTicket(deadline, True)
         ticket.keep_later = not f.modified
         seen = inode.checked
         if seen is not None and _plain_reader_case(inode, f) and self.backing.io.health == "normal":
@@ -1230,12 +1232,15 @@ class FileSystem:
         the kernel may keep its pages."""
         return self._open_handle(inode, f, False, caller, fh), self._kernel_may_keep(inode, f)
 
-    @staticmethod
-    def _kernel_may_keep(inode: Inode, f: CachedFile) -> bool:
+    def _kernel_may_keep(self, inode: Inode, f: CachedFile) -> bool:
         """Whether the kernel's pages of the inode are of ``f`` as it is now
-        (FOPEN_KEEP_CACHE); from here on they are."""
+        (FOPEN_KEEP_CACHE); from here on they are. If not, its cached
+        attributes may be of another version too (a lookup or stat within
+        the attribute timeout, before a rewrite elsewhere): dropped."""
         keep = inode.kernel_version == f.version and not f.modified
         inode.kernel_version = f.version
+        if not keep and self.kernel_pages is not None:
+            self.kernel_pages.attributes_changed(inode.ino)
         return keep
 
     @staticmethod

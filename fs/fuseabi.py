@@ -133,6 +133,8 @@ SETATTR_IN = struct.Struct("<IIQQQqqqIIIIIIII")  # fuse_setattr_in (signed times
 KSTATFS = struct.Struct("<QQQQQIIII24x")  # fuse_kstatfs
 DIRENT = struct.Struct("<QQII")  # ino off namelen type (then the name)
 # A notification is an out header with unique 0 and its code in the error field.
+NOTIFY_INVAL_INODE = 2
+NOTIFY_INVAL_INODE_OUT = struct.Struct("<Qqq")  # nodeid offset (-1: attributes only) length
 NOTIFY_STORE = 4
 NOTIFY_STORE_OUT = struct.Struct("<QQII")  # nodeid offset size padding (then the bytes)
 assert (IN_HEADER.size, OUT_HEADER.size, ATTR.size) == (40, 16, 88)

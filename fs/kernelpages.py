@@ -46,6 +46,7 @@ Why it is safe:
 from __future__ import annotations
 
 import enum
+import errno
 import logging
 import mmap
 import os
@@ -53,6 +54,8 @@ import threading
 from collections.abc import Callable, Sequence
 
 import trio
+
+from . import fuseabi as abi
 
 log = logging.getLogger("ckptfs.fs")
 
@@ -148,6 +151,27 @@ class KernelPages:
                 self._busy -= 1
                 if self._closed and not self._busy:
                     os.close(self._fd)
+
+    def attributes_changed(self, nodeid: int) -> None:
+        """The kernel's cached attributes of ``nodeid`` (its size above all)
+        are of another version than the one an open just gave it: drop them
+        (FUSE_NOTIFY_INVAL_INODE, attributes only), so that its next stat,
+        and a read past the old size, ask again. Without it, within the
+        attribute timeout a read of a version rewritten elsewhere stopped
+        at the old version's size: bytes no version had. Never waits (no
+        page lock is taken for attributes alone)."""
+        message = abi.OUT_HEADER.pack(
+            abi.OUT_HEADER.size + abi.NOTIFY_INVAL_INODE_OUT.size, abi.NOTIFY_INVAL_INODE, 0
+        ) + abi.NOTIFY_INVAL_INODE_OUT.pack(nodeid, -1, 0)
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                os.write(self._fd, message)
+            except OSError as exc:
+                # ENOENT: the kernel has no such inode (nothing cached to drop).
+                if exc.errno not in (errno.ENOENT, errno.ENODEV):
+                    log.warning("attributes of inode %d not invalidated: %s", nodeid, exc)
 
     def close(self) -> None:
         """The session ends: no more pushes, and none is waited for."""

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 from ckptfs.fs.chunkstore import ChunkStore, chunk_hash
 from ckptfs.fs.manifest import Chunk, Manifest, new_id, read_manifest
@@ -437,3 +438,30 @@ def test_chunks_read_back_are_held_in_the_cache_budget_not_the_heap(mounts):
         assert hashlib.sha256((m.mnt / f"big{i}.bin").read_bytes()).digest() == digests[i]
     assert m.pid is not None
     assert anon_rss(m.pid) < 160 * MiB, anon_rss(m.pid) >> 20
+
+
+@pytest.mark.parametrize("grows", [True, False], ids=["larger", "smaller"])
+def test_a_read_right_after_a_rewrite_elsewhere_is_of_one_whole_version(mounts, grows):
+    """Node b stats a file (the kernel keeps its attributes for a second),
+    node a rewrites it in place with another size, and b opens and reads it
+    within that second: the open loads the new version, and the read must
+    return it whole, not cut or padded to the old size (bytes no version had)."""
+    a, b = mounts("a"), mounts("b")
+    for m in (a, b):
+        m.mount(env={"CKPTFS_DURABILITY": "backing"})  # a's close: durable, so b reads it
+    small, large = rand(300_000, 60), rand(900_000, 61)
+    old, new = (small, large) if grows else (large, small)
+    for attempt in range(5):
+        (a.mnt / "f.bin").write_bytes(old)
+        time.sleep(0.1)  # past fuse.open_recheck of b's last look
+        assert (b.mnt / "f.bin").read_bytes() == old
+        os.stat(b.mnt / "f.bin")  # b's kernel caches the old size from here
+        cached = time.monotonic()
+        with open(a.mnt / "f.bin", "r+b") as f:  # the same file, a new version
+            f.truncate(0)
+            f.write(new)
+        time.sleep(0.1)  # past fuse.open_recheck: b's open looks at the manifest
+        got = (b.mnt / "f.bin").read_bytes()
+        if time.monotonic() - cached < 0.8:  # within the kernel's attribute timeout
+            assert got == new, f"attempt {attempt}: {len(got)} bytes read, {len(new)} written"
+            assert os.stat(b.mnt / "f.bin").st_size == len(new)

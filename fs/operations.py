@@ -495,20 +495,21 @@ class Operations:
     @handler
     async def readdirplus(self, req: Request) -> Reply:
         fh, start, size, *_ = abi.READ_IN.unpack_from(req.body)
-        entries = await self.fs.readdir(fh, start)
-        out: list[bytes] = []
-        used = 0
-        for i, (name, attr) in enumerate(entries):
-            record = abi.dirent_plus(os.fsencode(name), attr, start + i + 1, ATTR_TIMEOUT)
-            if used + len(record) > size:
-                # The kernel's buffer is full: it holds no reference to these yet.
-                for _, unsent in entries[i:]:
-                    self.fs.forget(unsent.ino, 0)
-                break
-            out.append(record)
-            used += len(record)
-            self.fs.inodes[attr.ino].nlookup += 1
-        return b"".join(out)
+        room = size
+
+        def fits(name: str) -> bool:
+            nonlocal room
+            need = abi.dirent_plus_size(os.fsencode(name))
+            if need > room:
+                return False
+            room -= need
+            return True
+
+        entries = await self.fs.readdir(fh, start, fits)
+        return b"".join(
+            abi.dirent_plus(os.fsencode(name), attr, offset, ATTR_TIMEOUT)
+            for offset, name, attr in entries
+        )
 
     @fast
     def releasedir_now(self, req: Request) -> Reply | None:

@@ -380,6 +380,8 @@ class FileSystem:
     def _adopter(self, parent: int, name: str, entry: Entry) -> CachedFile | None:
         """A file that adopted the plain file ``entry`` at (parent, name) and
         whose first publish failed: it waits for a retry, with no handle."""
+        if not self._retry:  # (each entry a listing binds asks)
+            return None
         path = self.inodes.child_path(parent, name)
         return next((f for f in self._retry if f.path == path and _adopted(f, entry)), None)
 

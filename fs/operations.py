@@ -496,19 +496,22 @@ class Operations:
     async def readdirplus(self, req: Request) -> Reply:
         fh, start, size, *_ = abi.READ_IN.unpack_from(req.body)
         room = size
+        raw: list[bytes] = []  # the names taken, encoded once
 
         def fits(name: str) -> bool:
             nonlocal room
-            need = abi.dirent_plus_size(os.fsencode(name))
+            encoded = os.fsencode(name)
+            need = abi.dirent_plus_size(encoded)
             if need > room:
                 return False
             room -= need
+            raw.append(encoded)
             return True
 
         entries = await self.fs.readdir(fh, start, fits)
         return b"".join(
-            abi.dirent_plus(os.fsencode(name), attr, offset, ATTR_TIMEOUT)
-            for offset, name, attr in entries
+            abi.dirent_plus(name, attr, offset, ATTR_TIMEOUT)
+            for name, (offset, _, attr) in zip(raw, entries, strict=True)
         )
 
     @fast

@@ -134,6 +134,54 @@ def test_the_children_index_stays_true_through_every_change() -> None:
     assert set(table.by_ino) == {ROOT} and not table.by_name and not table.children
 
 
+# ----- the listing's parsed manifests ---------------------------------------------------------
+
+
+def test_many_plain_files_push_no_manifest_out_of_the_parsed_cache(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """A listing opens every regular file to tell a manifest from a plain
+    file; what it found is kept by the file's identity. Plain files count
+    only their entries against the bound, not their size: a directory of
+    many (more than the bound's worth of bytes) is told apart from memory at
+    the next listing, and pushes no manifest out."""
+    import time
+
+    from ckptfs.fs import manifest as manifest_mod
+    from ckptfs.fs.manifest import Manifest, ParsedManifests, new_id, write_manifest
+
+    parsed = ParsedManifests(max_bytes=1 << 20)
+    m = Manifest(new_id(), new_id(), 5, 0o644, time.time_ns(), "durable")
+    write_manifest(tmp_path / "m", m)
+    plain = [tmp_path / f"p{i:04d}" for i in range(600)]
+    for p in plain:
+        p.write_bytes(b"x" * 4096)  # 2.4 MB of plain files for a 1 MiB bound
+
+    reads = 0
+    real = manifest_mod.manifest_from_fd
+
+    def counting(*args: Any) -> Any:
+        nonlocal reads
+        reads += 1
+        return real(*args)
+
+    monkeypatch.setattr(manifest_mod, "manifest_from_fd", counting)
+
+    def listing() -> list[Any]:
+        out = []
+        for p in [tmp_path / "m", *plain]:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                out.append(parsed.read(fd, str(p)))
+            finally:
+                os.close(fd)
+        return out
+
+    first = listing()
+    assert first[0] == m and first[1:] == [None] * len(plain) and reads == 1 + len(plain)
+    assert listing() == first and reads == 1 + len(plain)  # all from memory
+
+
 # ----- READDIRPLUS, without FUSE ------------------------------------------------------------
 
 

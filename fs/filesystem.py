@@ -57,6 +57,9 @@ DIR_ATTR_REUSE = 0.5
 # 1 MiB from the page cache each time (docs/PERFORMANCE.md).
 WRITE_BLKSIZE = 1 << 20
 READ_BLKSIZE = 4096
+# Entries a READDIRPLUS binds between two turns of the loop: a 1 MiB reply
+# holds about 5,000 (glibc's readdir asks for 32 KiB, under 200).
+READDIR_BATCH = 256
 # Reads of a name that a rename overlapped before a lookup waits for a gap.
 RESOLVE_TRIES = 3
 # A read of a file pending elsewhere whose holders failed looks at its
@@ -377,6 +380,8 @@ class FileSystem:
     def _adopter(self, parent: int, name: str, entry: Entry) -> CachedFile | None:
         """A file that adopted the plain file ``entry`` at (parent, name) and
         whose first publish failed: it waits for a retry, with no handle."""
+        if not self._retry:  # (each entry a listing binds asks)
+            return None
         path = self.inodes.child_path(parent, name)
         return next((f for f in self._retry if f.path == path and _adopted(f, entry)), None)
 
@@ -534,19 +539,38 @@ class FileSystem:
         self.dir_handles[fh] = (ino, None)
         return fh
 
-    async def readdir(self, fh: int, start: int) -> list[tuple[str, Attr]]:
-        """Entries from offset ``start``; the listing is taken once per opendir."""
+    async def readdir(
+        self, fh: int, start: int, fits: Callable[[str], bool]
+    ) -> list[tuple[int, str, Attr]]:
+        """(offset, name, attributes) of the listing's entries from offset
+        ``start`` on, for as long as ``fits`` takes their names (the room
+        left in the reply). The listing is read once per opendir, so an
+        entry's offset (its index + 1) means the same entry for as long as
+        the handle lives, whatever names come and go meanwhile. Only the
+        entries returned are bound to inodes, each counted as a reference the
+        kernel gets with the reply."""
         ino, listing = self.dir_handles[fh]
         if listing is None:
             listing = await self.backing.listdir(self.inodes.path(ino), self._dir_ino(ino))
             self.dir_handles[fh] = (ino, listing)
-        result = []
-        for name, entry in listing[start:]:
-            # The listing may be older than what lookup saw since: an inode the
-            # kernel already knows is kept, never replaced from the snapshot.
-            inode = self.inodes.child(ino, name) or self._bind(ino, name, entry)
-            result.append((name, self._attr(inode, entry)))
-        return result
+        sent: list[tuple[int, str, Attr]] = []
+        try:
+            for offset in range(start, len(listing)):
+                name, entry = listing[offset]
+                if not fits(name):
+                    break
+                # The listing may be older than what lookup saw since: an inode the
+                # kernel already knows is kept, never replaced from the snapshot.
+                inode = self.inodes.child(ino, name) or self._bind(ino, name, entry)
+                sent.append((offset + 1, name, self._attr(inode, entry)))
+                inode.nlookup += 1
+                if len(sent) % READDIR_BATCH == 0:
+                    await trio.sleep(0)  # a reply of thousands: let other requests in
+        except BaseException:
+            for _, _, attr in sent:  # never sent: the kernel has no reference
+                self.forget(attr.ino, 1)
+            raise
+        return sent
 
     def releasedir(self, fh: int) -> None:
         self.dir_handles.pop(fh, None)

@@ -207,6 +207,12 @@ def open_out(fh: int, flags: int) -> bytes:
     return OPEN_OUT.pack(fh, flags, 0)
 
 
+def dirent_plus_size(name: bytes) -> int:
+    """The bytes :func:`dirent_plus` takes for ``name``."""
+    size = ENTRY_OUT.size + DIRENT.size + len(name)
+    return size + (-size % 8)
+
+
 def dirent_plus(name: bytes, a: Attributes, offset: int, timeout: float) -> bytes:
     """One fuse_direntplus, padded to 8 bytes."""
     head = entry_out(a, timeout) + DIRENT.pack(a.ino, offset, len(name), (a.mode >> 12) & 0o17)

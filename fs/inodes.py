@@ -67,6 +67,11 @@ class InodeTable:
         self._next = ROOT + 1
         self.by_ino: dict[int, Inode] = {ROOT: Inode(ROOT, ROOT, "", "dir", ("root", 0), 1)}
         self.by_name: dict[tuple[int, str], int] = {}
+        # How many names by_name binds in each directory (absent: none). A
+        # directory the kernel forgot is kept while it has any, since they
+        # compute their paths through it: this answers that without a scan
+        # of every name, and tells when the last one goes.
+        self.children: dict[int, int] = {}
 
     def __getitem__(self, ino: int) -> Inode:
         return self.by_ino[ino]
@@ -96,11 +101,11 @@ class InodeTable:
         if existing is not None and existing.ident == ident and existing.kind == kind:
             return existing
         if existing is not None:
-            self.detach(parent, name)
+            self._unlink(existing)  # the parent gets a name again at once: it stays
         inode = Inode(self._next, parent, name, kind, ident)
         self._next += 1
         self.by_ino[inode.ino] = inode
-        self.by_name[(parent, name)] = inode.ino
+        self._name(inode, parent, name)
         return inode
 
     def attach(self, inode: Inode, f: CachedFile | None) -> None:
@@ -118,21 +123,24 @@ class InodeTable:
 
     def detach(self, parent: int, name: str) -> Inode | None:
         """Remove a name (unlink, rmdir, replaced); the inode lives on while referenced."""
-        ino = self.by_name.pop((parent, name), None)
-        if ino is None:
+        inode = self.child(parent, name)
+        if inode is None:
             return None
-        inode = self.by_ino[ino]
-        if not inode.unlinked:
-            inode.unlinked = True
-            if inode.file is not None:
-                inode.file.orphan_inodes += 1  # kept for the kernel's last uses
-        self._maybe_free(inode)
+        self._unlink(inode)
+        self._free_unused(self.by_ino.get(parent))
         return inode
 
     def move(self, inode: Inode, parent: int, name: str) -> None:
-        self.by_name.pop((inode.parent, inode.name), None)
-        inode.parent, inode.name = parent, name
-        self.by_name[(parent, name)] = inode.ino
+        """Give ``inode`` the name (parent, name), unlinking whatever had it."""
+        old_parent = inode.parent
+        if self.by_name.get((inode.parent, inode.name)) == inode.ino:
+            self._unname(inode.parent, inode.name)
+        there = self.child(parent, name)
+        if there is not None and there is not inode:
+            self._unlink(there)
+        self._name(inode, parent, name)
+        if old_parent != parent:
+            self._free_unused(self.by_ino.get(old_parent))
 
     def forget(self, ino: int, count: int) -> Inode | None:
         """Drop kernel references; returns the inode if it was freed."""
@@ -140,18 +148,54 @@ class InodeTable:
         if inode is None or ino == ROOT:
             return None
         inode.nlookup = max(0, inode.nlookup - count)
-        return inode if self._maybe_free(inode) else None
+        return inode if self._free_unused(inode) else None
 
-    def _maybe_free(self, inode: Inode) -> bool:
+    def _name(self, inode: Inode, parent: int, name: str) -> None:
+        """Bind the free name (parent, name) to ``inode``."""
+        inode.parent, inode.name = parent, name
+        self.by_name[(parent, name)] = inode.ino
+        self.children[parent] = self.children.get(parent, 0) + 1
+
+    def _unname(self, parent: int, name: str) -> None:
+        """Remove the bound name (parent, name)."""
+        del self.by_name[(parent, name)]
+        left = self.children[parent] - 1
+        if left:
+            self.children[parent] = left
+        else:
+            del self.children[parent]
+
+    def _unlink(self, inode: Inode) -> None:
+        """Take its name from ``inode`` (bound to it); freed if nothing needs
+        it. Its parent is left as it is (see :meth:`_free_unused`)."""
+        self._unname(inode.parent, inode.name)
+        if not inode.unlinked:
+            inode.unlinked = True
+            if inode.file is not None:
+                inode.file.orphan_inodes += 1  # kept for the kernel's last uses
+        self._free_unused(inode)
+
+    def _needed(self, inode: Inode) -> bool:
         if inode.nlookup or inode.opens or inode.ino == ROOT:
+            return True
+        # A directory's named children compute their paths through it.
+        return not inode.unlinked and inode.kind == "dir" and inode.ino in self.children
+
+    def _free_unused(self, inode: Inode | None) -> bool:
+        """Free ``inode`` if nothing needs it, then each parent that this
+        leaves with no need either; whether ``inode`` was freed."""
+        if inode is None or self._needed(inode):
             return False
-        if not inode.unlinked and inode.kind == "dir" and self._has_children(inode.ino):
-            return False  # children compute their paths through this inode
-        self.by_ino.pop(inode.ino, None)
-        if self.by_name.get((inode.parent, inode.name)) == inode.ino:
-            del self.by_name[(inode.parent, inode.name)]
-        self.attach(inode, None)
+        parent = self._free(inode)
+        while parent is not None and not self._needed(parent):
+            parent = self._free(parent)
         return True
 
-    def _has_children(self, ino: int) -> bool:
-        return any(parent == ino for parent, _ in self.by_name)
+    def _free(self, inode: Inode) -> Inode | None:
+        """Forget ``inode``; returns its parent if it took a name from it."""
+        self.by_ino.pop(inode.ino, None)
+        named = self.by_name.get((inode.parent, inode.name)) == inode.ino
+        if named:
+            self._unname(inode.parent, inode.name)
+        self.attach(inode, None)
+        return self.by_ino.get(inode.parent) if named else None

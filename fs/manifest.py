@@ -297,6 +297,10 @@ def manifest_from_fd(
     return Manifest.from_bytes(b"".join(parts), where, key, (st.st_uid, st.st_gid))
 
 
+# What ParsedManifests charges a plain file's entry (its key and the node).
+NOT_A_MANIFEST_BYTES = 256
+
+
 class ParsedManifests:
     """Parsed manifests by the identity of the manifest file (device, inode,
     size, mtime, ctime). A manifest file is never changed in place (every
@@ -331,7 +335,7 @@ class ParsedManifests:
                 self._items.move_to_end(key)
                 return self._items[key]
         manifest = manifest_from_fd(fd, where, seal, st)
-        size = key[2]
+        size = self._charge(key, manifest)
         if size > self.max_bytes // 4:
             return manifest  # one huge manifest would push out everything else
         with self._lock:
@@ -339,9 +343,16 @@ class ParsedManifests:
                 self._items[key] = manifest
                 self._bytes += size
             while self._bytes > self.max_bytes:
-                old, _ = self._items.popitem(last=False)
-                self._bytes -= old[2]
+                self._bytes -= self._charge(*self._items.popitem(last=False))
         return manifest
+
+    @staticmethod
+    def _charge(key: tuple[int, ...], manifest: Manifest | None) -> int:
+        """What an item counts against ``max_bytes``: a manifest its size; a
+        plain file, whatever its size, only its key (a directory of many small
+        plain files must not push the manifests out, nor each other out at
+        each listing)."""
+        return key[2] if manifest is not None else NOT_A_MANIFEST_BYTES
 
 
 def tmp_name(name: str) -> str:

@@ -495,20 +495,24 @@ class Operations:
     @handler
     async def readdirplus(self, req: Request) -> Reply:
         fh, start, size, *_ = abi.READ_IN.unpack_from(req.body)
-        entries = await self.fs.readdir(fh, start)
-        out: list[bytes] = []
-        used = 0
-        for i, (name, attr) in enumerate(entries):
-            record = abi.dirent_plus(os.fsencode(name), attr, start + i + 1, ATTR_TIMEOUT)
-            if used + len(record) > size:
-                # The kernel's buffer is full: it holds no reference to these yet.
-                for _, unsent in entries[i:]:
-                    self.fs.forget(unsent.ino, 0)
-                break
-            out.append(record)
-            used += len(record)
-            self.fs.inodes[attr.ino].nlookup += 1
-        return b"".join(out)
+        room = size
+        raw: list[bytes] = []  # the names taken, encoded once
+
+        def fits(name: str) -> bool:
+            nonlocal room
+            encoded = os.fsencode(name)
+            need = abi.dirent_plus_size(encoded)
+            if need > room:
+                return False
+            room -= need
+            raw.append(encoded)
+            return True
+
+        entries = await self.fs.readdir(fh, start, fits)
+        return b"".join(
+            abi.dirent_plus(name, attr, offset, ATTR_TIMEOUT)
+            for name, (offset, _, attr) in zip(raw, entries, strict=True)
+        )
 
     @fast
     def releasedir_now(self, req: Request) -> Reply | None:

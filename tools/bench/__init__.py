@@ -39,6 +39,12 @@ Each mounts what it measures itself and always unmounts it; run one with
   and without representative fetch.
   ``python -m ckptfs.tools.bench.bench_cluster [--nodes 4] [--size-mib 512] [--runs 3]``
 
+- ``bench_readdir``: ``ls -l`` of a directory of 20,000 files (plain files
+  put in the backing directory, and files written through the mount) against
+  the backing directory itself, and how long a ``stat`` of another file waits
+  meanwhile.
+  ``python -m ckptfs.tools.bench.bench_readdir [--files 20000] [--runs 5]``
+
 ``benchlib`` is what they share (memory warm-up, tables, mounting through the
 CLI, cleanup); it is not a public API.
 """

@@ -144,16 +144,27 @@ def _read_entry(root: int, rel: str, key: bytes | None) -> Entry:
         return _read_entry_in(dfd, name, rel, key)
 
 
-def _read_entry_in(dfd: int, name: str, rel: str, key: bytes | None) -> Entry:
+def _read_entry_in(
+    dfd: int, name: str, rel: str, key: bytes | None, listing: bool = False
+) -> Entry:
     """The entry ``name`` in the directory ``dfd`` (``rel`` for messages). A
     manifest whose seal does not verify under ``key`` (one ckptfs did not
     write: a copy, an edit, a forgery) is a plain file: served as the bytes
-    it is, never as a file it names."""
+    it is, never as a file it names. ``listing``: a file whose stat shows
+    one already parsed is not opened again (a listing's stats are what a
+    plain ``ls -l`` sees; an open or a lookup opens it, which on NFS is
+    what revalidates)."""
     st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
     if stat.S_ISDIR(st.st_mode):
         return Entry("dir", st)
     if stat.S_ISLNK(st.st_mode):
         return Entry("symlink", st)
+    if listing and stat.S_ISREG(st.st_mode):
+        known = PARSED.known(st)
+        if known is None:
+            return Entry("plain", st)
+        if isinstance(known, Manifest) and known.sealed:
+            return Entry("file", st, known)
     if stat.S_ISREG(st.st_mode):
         # Opened every time (on NFS the open is what revalidates); read and
         # parsed only when the manifest file is not the one seen before.
@@ -197,7 +208,9 @@ def _list(
                 continue
             start = time.monotonic()
             try:
-                entry = _read_entry_in(dfd, name, f"{rel}/{name}" if rel else name, key)
+                entry = _read_entry_in(
+                    dfd, name, f"{rel}/{name}" if rel else name, key, listing=True
+                )
             except FileNotFoundError:  # removed meanwhile (another node)
                 continue
             entry.read_at = start

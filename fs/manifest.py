@@ -179,7 +179,7 @@ class Manifest:
                 key is not None
                 and owner is not None
                 and isinstance(mac, str)
-                and hmac.compare_digest(mac, seal_of(key, _dumps(body), owner))
+                and hmac.compare_digest(mac, seal_of(key, _unsealed_text(data, mac, body), owner))
             )
             if body.get("hash", HASH_NAME) != HASH_NAME:
                 raise ManifestError(f"{where}: unsupported hash {body['hash']!r}")
@@ -237,6 +237,17 @@ class Manifest:
 
 def _dumps(body: dict[str, object]) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _unsealed_text(data: bytes, mac: str, body: dict[str, object]) -> bytes:
+    """The JSON a seal covers: the text as written without its last member,
+    the seal (ckptfs writes it last), without encoding the body again (a
+    fifth of a listing's time on a fresh mount); else the body encoded."""
+    tail = f',"mac":"{mac}"}}'.encode()
+    text = data[len(MAGIC) :].rstrip(b"\n")
+    if text.endswith(tail):
+        return text[: -len(tail)] + b"}"
+    return _dumps(body)
 
 
 def seal_of(key: bytes, text: bytes, owner: tuple[int, int]) -> str:
@@ -321,6 +332,18 @@ class ParsedManifests:
     def identity(st: os.stat_result) -> tuple[int, ...]:
         # A chown or chmod moves the ctime: the seal (owner) is checked again.
         return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    _UNKNOWN = object()
+
+    def known(self, st: os.stat_result) -> Manifest | None | object:
+        """What the file of stat ``st`` was parsed as, if it was (a manifest
+        or None: a plain file); else ``ParsedManifests._UNKNOWN``."""
+        key = self.identity(st)
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                return self._items[key]
+        return self._UNKNOWN
 
     def read(
         self, fd: int, where: str, st: os.stat_result | None = None, seal: bytes | None = None

@@ -8,7 +8,8 @@ SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
-# gcc and python3-dev: the compiled FUSE reader (fs/_fastreader.c) and pyfuse3;
+# gcc and python3-dev: pyfuse3, which the tests' stand-in store uses (the daemon
+# needs no compiler);
 # iproute2 and iptables: the fault trials' network namespaces and packet loss.
 $SUDO apt-get install -y -qq fuse3 libfuse3-dev pkg-config gcc python3-dev rsync openssl iproute2 iptables >/dev/null
 [ -x .venv/bin/python ] || python3 -m venv .venv

@@ -601,15 +601,6 @@ class Backing:
     def _fence_dir(self) -> int:
         return self.dirs.private(FENCE)
 
-    def entry_here(self, rel: str) -> Entry | None:
-        """The entry at ``rel``, read in the calling thread: for the FUSE
-        request thread, whose store calls its session bounds (storecall.py).
-        None while the store is not healthy: the loop's :meth:`entry`, with
-        its timeout, then asks instead."""
-        if self.io.health != "normal":
-            return None
-        return _entry_at(self.root_fd, rel, self.key)
-
     async def entry(self, rel: str, expect_parent: int | None = None) -> Entry:
         def entry() -> Entry:
             if expect_parent is None or not rel:

@@ -5,10 +5,6 @@ limit; a thread stuck in the kernel cannot be cancelled, so the number of such
 threads is bounded and the store's health (normal / slow / down) is tracked,
 both for `ckptfs stat` and so that callers stop piling requests onto it.
 
-The FUSE request thread, which reads /dev/fuse for everyone, makes its few
-store calls itself instead, under a timer that lets the loop take the
-reading over (storecall.py).
-
 A call the loop gave up on still runs to its end in its thread. Two things
 make that safe: ``late`` releases whatever the call holds once it ends (an fd
 opened after its caller left, pins on arena slots), and ``Call.abandoned``

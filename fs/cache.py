@@ -454,12 +454,6 @@ class Cache:
             for f in [self.files.get(file_id), *self.retired]
         )
 
-    def keeps_mirror_for(self, f: CachedFile) -> bool:
-        """Whether a mirror is kept here for the readers of ``f``'s version:
-        letting go of a handle of ``f`` may drop it (and wake the loop's
-        tasks waiting for space)."""
-        return (f.file_id, f.version) in self.kept_mirrors
-
     def _release_kept(self, file_id: str, version: str) -> None:
         kept = self.kept_mirrors.get((file_id, version))
         if kept is not None and not self._read_here(file_id, version):
@@ -1230,26 +1224,19 @@ class Cache:
         self.readahead.observe(f, off, end)
         return await self.reader.read(f, off, end, view_ok=view_ok, into=into)
 
-    def read_now(
-        self, f: CachedFile, off: int, size: int, *, on_loop: bool
-    ) -> list[memoryview] | bytes | None:
+    def read_now(self, f: CachedFile, off: int, size: int) -> list[memoryview] | bytes | None:
         """Bytes of ``f`` as views of the arena, if none needs a wait; None if
-        one does (``read`` then waits for it). Off the loop (the FUSE request
-        thread, the loop parked) only bytes in RAM pages count, and no
-        read-ahead starts: that takes the loop's nursery."""
+        one does (``read`` then waits for it)."""
         if not _bytes_here(f):
             return None
         end = min(off + size, f.size)
-        views = self.reader.read_now(f, off, end, frames_ok=on_loop) if end > off else []
+        views = self.reader.read_now(f, off, end, frames_ok=True) if end > off else []
         if views is None:
             return None
         self._touch(f)
         if not views:
             return b""
-        if on_loop:
-            self.readahead.observe(f, off, end)
-        else:
-            f.read_pattern.observe(off, end)  # the loop's next read-ahead continues this stream
+        self.readahead.observe(f, off, end)
         return views
 
     def copy_in_ram(self, f: CachedFile, off: int, end: int) -> bytes | None:

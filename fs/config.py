@@ -102,35 +102,6 @@ class Config:
     # (seconds): one backing-store round trip less each (torch.load's mmap
     # reopen, and its getsize after a read). 0: every open re-reads.
     open_recheck: float = 0.05
-    # While FUSE requests flow, and for this long after the last (seconds),
-    # keep idle CPUs quick to wake (fs/cpulatency.py). 0 (the default): never;
-    # it changes the whole machine's idle behaviour, an operator's choice.
-    cpu_latency_hold: float = 0.0
-    # The same hold, taken at each request answered without a task (a
-    # read-only open of a cached file, a reader's close, a stat, isatty) and
-    # let go this long after the last (seconds): the caller's next request
-    # usually follows within microseconds (torch.load's second open), and
-    # both the daemon's CPU and the caller's then wake at once. 0: off.
-    burst_latency_hold: float = 0.002
-    # Up to this long (seconds), the hold follows the pauses between the
-    # caller's bursts (cpulatency.BurstHold): a burst of a few answers (a
-    # load) followed by another within this makes that one's hold cover
-    # such a pause (a restore's small loads one after another); a longer
-    # pause sets it back, and so do 10 s of steady bursts (a poller). At or
-    # below burst_latency_hold: a fixed hold.
-    burst_latency_hold_max: float = 0.05
-    # After the request thread answers a request, it reads /dev/fuse again
-    # and again for this long (seconds) before it waits in poll(2), unless
-    # its caller runs on its CPU: a caller's next request often follows
-    # within tens of microseconds, and a wake-up costs 8-20 µs on a VM. Off
-    # by default: it helps a tight loop of loads and slowed spaced ones
-    # (README, Benchmark). 0: wait at once.
-    request_spin: float = 0.0
-    # The request thread waits, reads, and answers isatty's IOCTL and the
-    # read-only opens the filesystem issued a ticket for in compiled code
-    # (fs/_fastreader.c); off: all of it in Python, as before. Off by default
-    # with peers (see parse).
-    compiled_reader: bool = True
     # A closed file waits this long (seconds) before its flush starts: a
     # close is often followed at once by a rename (torch.save to a temporary
     # name, then os.replace), which would otherwise wait for the flush's
@@ -194,13 +165,6 @@ def _seconds(value: Any, key: str) -> float:
     return result
 
 
-def _spin(value: Any, key: str) -> float:
-    result = _float_seconds(value, key)
-    if not 0 <= result <= 0.01:  # a spinning thread keeps a CPU busy
-        raise ConfigError(key, f"expected 0 to 0.01 seconds, got {value!r}")
-    return result
-
-
 def _peers(value: Any, key: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ConfigError(key, f"expected a mapping, got {value!r}")
@@ -246,11 +210,6 @@ SCHEMA: dict[str, tuple[str, Any]] = {
     "fuse.direct_writes": ("direct_writes", parse_bool),
     "fuse.allow_other": ("allow_other", parse_bool),
     "fuse.open_recheck": ("open_recheck", _seconds),
-    "fuse.cpu_latency_hold": ("cpu_latency_hold", _seconds),
-    "fuse.burst_latency_hold": ("burst_latency_hold", _seconds),
-    "fuse.burst_latency_hold_max": ("burst_latency_hold_max", _seconds),
-    "fuse.request_spin": ("request_spin", _spin),
-    "fuse.compiled_reader": ("compiled_reader", parse_bool),
     "fuse.read_ahead_kb": ("read_ahead_kb", parse_int),
     "backing_timeout": ("backing_timeout", _timeout),
     "run_dir": ("run_dir", _path),
@@ -324,12 +283,6 @@ def load_config(
     config.peers_config = parse_peers(config.peers or None, config.node)
     if "durability" not in values and config.peers_config is not None:
         config.durability = "buddy"  # the default with peers (DESIGN.md)
-    if "fuse.compiled_reader" not in values and config.peers_config is not None:
-        # Off with peers unless asked for: with it, readers on one node of a
-        # file another node replaces 15 times a second got more ESTALE opens
-        # (tests/test_frameworks_replace.py; cause not found yet, README
-        # Limits), and across nodes every open's manifest check is due anyway.
-        config.compiled_reader = False
     if "fuse.open_recheck" not in values and config.peers_config is not None:
         # Reusing a recent check would let an open that follows another
         # node's close within the window read the old version: with peers,

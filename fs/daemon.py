@@ -26,7 +26,6 @@ from ckptfs.peer.represent import Representation, attach
 from . import control
 from .config import Config
 from .core import Core
-from .cpulatency import BurstHold, CpuLatencyHold
 from .fusemount import MountFailed, mount, unmount
 from .fusesession import Session, notify_store
 from .fusesession import describe as describe_session
@@ -68,12 +67,6 @@ class Daemon:
             if self.peer is not None
             else None
         )
-        self.cpu_latency = CpuLatencyHold(self.config.cpu_latency_hold, "fuse.cpu_latency_hold")
-        # A burst of small requests (torch.load's opens): held from a fast
-        # answer until that long after the last (fs/fusesession.py).
-        self.burst_latency = BurstHold(
-            self.config.burst_latency_hold, self.config.burst_latency_hold_max
-        )
         self.started = time.time()
         self._terminating = False
         self.session: Session | None = None
@@ -95,24 +88,11 @@ class Daemon:
                         core.fs.mirror = mirror
                         core.cache.on_page_changed = mirror.changed
                         core.cache.on_mirror_done = mirror.done
-                nursery.start_soon(self.cpu_latency.run)
-                ops = Operations(
-                    core.fs,
-                    self.config.writeback_cache,
-                    self.config.direct_writes,
-                    self.cpu_latency,
-                )
+                ops = Operations(core.fs, self.config.writeback_cache, self.config.direct_writes)
                 fd = self._mount()
                 mounted = True
                 try:
-                    self.session = Session(
-                        fd,
-                        ops.handlers(),
-                        workers=self.config.fuse_workers,
-                        burst=self.burst_latency,
-                        spin=self.config.request_spin,
-                        compiled=self.config.compiled_reader,
-                    )
+                    self.session = Session(fd, ops.handlers(), workers=self.config.fuse_workers)
                     session = self.session
                     core.fs.kernel_pages = KernelPages(
                         fd, notify_store, allowed=lambda: session.direct_writes_drop_pages
@@ -142,7 +122,6 @@ class Daemon:
                             self.session.close()
                         else:
                             os.close(fd)
-                        self.burst_latency.close()  # its readers are gone
                 nursery.cancel_scope.cancel()
         finally:
             core.close()
@@ -290,8 +269,6 @@ class Daemon:
             "fuse": {
                 **core.fs.describe(),
                 **describe_session(self.session),
-                "cpu_latency": self.cpu_latency.describe(),
-                "burst_latency": self.burst_latency.describe(),
             },
             "backing_health": core.io.health,
             # The error behind a health of full or failing (errno, what, when).

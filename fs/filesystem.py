@@ -20,7 +20,6 @@ import errno
 import functools
 import itertools
 import logging
-import math
 import os
 import stat
 import time
@@ -40,7 +39,7 @@ from .inodes import ROOT, Inode, InodeTable
 from .interrupts import Interrupted, interruptible
 from .journal import record_of
 from .kernelpages import KernelCache, KernelPages, pieces
-from .manifest import Manifest, ParsedManifests, new_id
+from .manifest import Manifest, new_id
 from .nslock import NamespaceLock
 from .renamelog import needs_record
 from .state import FileRole, FileState, Published
@@ -111,60 +110,6 @@ class Handle:
     tid: int = 0  # the thread that opened it, as the kernel names it (0: unknown)
 
 
-@dataclass(slots=True)
-class OpenTicket:
-    """What :meth:`FileSystem.open_ticket` says of the next read-only opens
-    of an inode, for the compiled reader (fs/_fastreader.c)."""
-
-    deadline: float  # time.monotonic() until which no check is due
-    keep: bool  # the next open's FOPEN_KEEP_CACHE
-    keep_later: bool = False  # the ones' after it
-    # The manifest the last check read (path in the store, stat identity),
-    # for a check of the reader's own once the deadline passed; None: none.
-    manifest: str | None = None
-    identity: tuple[int, ...] | None = None
-
-
-@dataclass(slots=True)
-class AttrTicket:
-    """What :meth:`FileSystem.attr_ticket` says of the next GETATTRs of an
-    inode, for the compiled reader: ``attr`` until ``deadline``, and after it
-    once a stat of ``path`` in the store finds ``identity`` (the entry the
-    last look found; ``path`` None: no such check), for ``recheck`` more."""
-
-    attr: Attr
-    deadline: float
-    recheck: float
-    path: str | None
-    identity: tuple[int, ...]
-    directory: bool
-
-
-@dataclass(slots=True)
-class EntryTicket:
-    """What :meth:`FileSystem.entry_ticket` says of the next LOOKUPs of a
-    name: ``attr`` (of inode ``child``) whenever a stat of ``path`` in the
-    store finds ``identity``, the entry the last look found."""
-
-    child: int
-    attr: Attr
-    path: str
-    identity: tuple[int, ...]
-    directory: bool
-
-
-def check_identity(st: os.stat_result, directory: bool) -> tuple[int, ...]:
-    """What a stat must find again for a check of the compiled reader's own:
-    a manifest's identity (the same parsed manifest: a rewrite is a new
-    file), a directory's with every other field its attributes show (atime,
-    links, mode, owner: two changes within one tick of the kernel's coarse
-    clock leave mtime and ctime as they were)."""
-    found = ParsedManifests.identity(st)
-    if not directory:
-        return found
-    return (*found, st.st_atime_ns, st.st_nlink, st.st_mode, st.st_uid, st.st_gid)
-
-
 @dataclass
 class SetAttr:
     mode: int | None = None
@@ -180,32 +125,6 @@ class Caller:
     uid: int
     gid: int
     tid: int = 0  # the calling thread, as the kernel names it (0: unknown)
-
-
-@dataclass
-class CheckPlan:
-    """A read-only open or a lookup waiting only for its manifest check: the
-    file our copy is, the name to read, and the namespace generation before."""
-
-    inode: Inode
-    f: CachedFile | None
-    path: str
-    generation: int
-
-
-def _plain_reader_case(inode: Inode, f: CachedFile) -> bool:
-    """Whether a read-only open of ``inode`` needs nothing but a manifest
-    check that finds ``f`` at its version: the name is still ``f``'s, it is
-    not being written here, and it is this node's own (a REMOTE or LOST
-    file's load may move it to its holders or the store)."""
-    return (
-        not inode.unlinked
-        and not f.unlinked
-        and not f.writers
-        and not f.modified
-        and f.role is FileRole.LOCAL
-        and f.state is not FileState.LOST
-    )
 
 
 def _changes_names(
@@ -452,25 +371,6 @@ class FileSystem:
         found them, unless a later look's are kept already."""
         if inode.dir_attrs is None or read_at >= inode.dir_attrs_at:
             inode.dir_attrs, inode.dir_attrs_at = entry, read_at
-
-    def getattr_check_wanted(self, ino: int) -> CheckPlan | None:
-        """A getattr that :meth:`getattr_now` declined: the store read that
-        :meth:`getattr` would make, for :meth:`getattr_checked`."""
-        inode = self._inode(ino)
-        return CheckPlan(inode, inode.file, self.inodes.path(ino), self.ns_lock.generation)
-
-    def getattr_checked(self, check: CheckPlan, entry: Entry) -> Attr | None:
-        """What :meth:`getattr` answers with ``entry``, read since the plan,
-        if nothing was renamed or removed meanwhile and the inode still has
-        the same file; else None (the loop asks again)."""
-        inode = check.inode
-        if (
-            not self.ns_lock.stable_since(check.generation)
-            or inode.unlinked
-            or inode.file is not check.f
-        ):
-            return None
-        return self._getattr_with(inode, entry, entry.read_at)
 
     def _getattr_with(self, inode: Inode, entry: Entry, read_at: float) -> Attr:
         same = (
@@ -965,138 +865,6 @@ class FileSystem:
             return None  # (the loop's open sends a dropped version back)
         return self._opened(inode, f, caller)
 
-    def open_ticket(self, ino: int) -> OpenTicket | None:
-        """Whether :meth:`open_now` would open ``ino`` read-only as things
-        are (ignoring who calls: a rename in flight anywhere says no), and
-        would go on doing so, with nothing changed, until the deadline
-        returned (time.monotonic(); inf for a file written here): that
-        deadline, and whether the kernel may keep its pages at the next
-        open and at the ones after it (that open makes them ours); for a
-        file of this node's that only a check may change, also the manifest
-        that check read, which the thread may stat once the deadline passed
-        (as :meth:`open_check_wanted` would, then :meth:`open_checked`). The request
-        thread's compiled reader answers such opens itself until the loop
-        runs again (fs/_fastreader.c); :meth:`adopt_open` takes the handle."""
-        inode = self.inodes.get(ino)
-        if inode is None or inode.kind != "file" or inode.unlinked or self.ns_lock.any_replacing():
-            return None
-        f = self._file_now(inode, writable=False)
-        if f is None or self.cache.dropped_here(f):
-            return None
-        if f.writers or f.modified:
-            deadline = math.inf  # our copy is the current one while it lasts
-        else:  # _file_now found a recent check (fuse.open_recheck)
-            deadline = inode.checked_at + self.config.open_recheck
-        if deadline <= time.monotonic():
-            return None
-        if inode.kernel_version != f.version or f.modified:
-            return None  # the kernel's attributes may be another version's: the Python open
-        ticket = OpenTicket(deadline, True)
-        ticket.keep_later = not f.modified
-        seen = inode.checked
-        if seen is not None and _plain_reader_case(inode, f) and self.backing.io.health == "normal":
-            ticket.manifest = self.inodes.path(ino)
-            ticket.identity = check_identity(seen.st, directory=False)
-        return ticket
-
-    def _last_look(self, inode: Inode) -> Entry | None:
-        """What a getattr or a checked lookup of ``inode`` answers from, if a
-        check that finds it again is all they need: a directory's last
-        attributes, or the last manifest check of a file only such a check
-        may change, at the version we hold."""
-        if inode.kind == "dir":
-            return inode.dir_attrs
-        f = inode.file
-        if inode.kind != "file" or f is None or not _plain_reader_case(inode, f):
-            return None
-        return self._last_check(inode, f)
-
-    def attr_ticket(self, ino: int) -> AttrTicket | None:
-        """What :meth:`getattr_now` answers for ``ino`` until the last look's
-        reuse runs out (fuse.open_recheck for a file, DIR_ATTR_REUSE for a
-        directory), which is also what :meth:`getattr_checked` answers after
-        a look that finds the same entry; None for anything else (a file
-        being written here, a symlink, a name never looked at). Issued to the
-        compiled reader after the request thread's answers, like open tickets."""
-        inode = self.inodes.get(ino)
-        if inode is None or inode.unlinked or (seen := self._last_look(inode)) is None:
-            return None
-        directory = inode.kind == "dir"
-        if directory:
-            deadline, recheck = inode.dir_attrs_at + DIR_ATTR_REUSE, DIR_ATTR_REUSE
-            if not self._dir_attrs_reusable(inode):
-                deadline = 0.0  # read before a change here: a check's stat says
-        else:
-            recheck = self.config.open_recheck
-            deadline = inode.checked_at + recheck
-        path = (self.inodes.path(ino) or ".") if self.backing.io.health == "normal" else None
-        return AttrTicket(
-            self._attr(inode, seen),
-            deadline,
-            recheck,
-            path,
-            check_identity(seen.st, directory),
-            directory,
-        )
-
-    def entry_ticket(self, parent: int, name: str) -> EntryTicket | None:
-        """What :meth:`lookup_checked` answers for ``name`` in ``parent`` after
-        a look that finds the entry the last one found: a directory, or a
-        file only a manifest check may change, at the version we hold; None
-        for anything else, and while a rename is in flight or the store is
-        unhealthy (a lookup is a look at the store each time)."""
-        if self.backing.io.health != "normal" or self.ns_lock.any_replacing():
-            return None
-        inode = self.inodes.child(parent, name)
-        if inode is None or inode.unlinked or (seen := self._last_look(inode)) is None:
-            return None
-        f = inode.file
-        if f is not None and self.cache.files.get(f.file_id) is not f:
-            return None  # (as _still_checked asks)
-        directory = inode.kind == "dir"
-        return EntryTicket(
-            inode.ino,
-            self._attr(inode, seen),
-            self.inodes.child_path(parent, name),
-            check_identity(seen.st, directory),
-            directory,
-        )
-
-    def adopt_seen(self, ino: int, lookup: bool, checked_at: float) -> None:
-        """A LOOKUP or GETATTR of ``ino`` that the compiled reader answered
-        from a ticket: a LOOKUP is one more reference of the kernel's, as
-        :meth:`lookup` counts; ``checked_at`` (if not 0) is when a look of
-        the reader's own began that found the entry the last look found (a
-        file's manifest, a directory's attributes): as if ours found it then."""
-        inode = self._inode(ino)
-        if lookup:
-            inode.nlookup += 1
-        self._seen_again(inode, checked_at)
-
-    @staticmethod
-    def _seen_again(inode: Inode, checked_at: float) -> None:
-        """A check of the compiled reader's that began at ``checked_at`` found
-        the entry the last look found (the stat compares every field the
-        answer shows): as if that look was made then."""
-        if inode.kind == "dir" and checked_at > inode.dir_attrs_at:
-            inode.dir_attrs_at = checked_at
-        elif inode.kind == "file" and checked_at > inode.checked_at:
-            inode.checked_at = checked_at
-
-    def adopt_open(self, fh: int, ino: int, caller: Caller, checked_at: float = 0.0) -> None:
-        """A read-only handle ``fh`` that the compiled reader gave out for an
-        open ticket of ``ino``: what :meth:`open_now` would have made (or,
-        after a check of its own that began at ``checked_at`` and found the
-        manifest the last check read, :meth:`open_checked`). The state is as
-        it was when the ticket was issued (whoever takes the state lock
-        adopts first)."""
-        inode = self._inode(ino)
-        self._seen_again(inode, checked_at)
-        f = inode.file
-        if f is None:  # a ticket is only issued for a cached file
-            raise RuntimeError(f"inode {ino}: a compiled open of an inode with no cached file")
-        self._opened(inode, f, caller, fh)
-
     def _being_replaced(self, inode: Inode) -> trio.Event | None:
         """Set once no rename onto the inode's name is in flight; None if none is now."""
         if not self.ns_lock.any_replacing() or inode.unlinked:
@@ -1158,98 +926,6 @@ class FileSystem:
             }
         self._stale_opens[tid] = now
         return True
-
-    def lookup_check_wanted(self, parent: int, name: str) -> CheckPlan | None:
-        """A lookup of a name whose inode we hold: a directory, or a file
-        that only a manifest check may have changed (as for
-        :meth:`open_check_wanted`): what a thread may read for
-        :meth:`lookup_checked`. None for anything else (a new name, a file
-        being written here, a symlink)."""
-        inode = self.inodes.child(parent, name)
-        if inode is None:
-            return None
-        if inode.kind == "dir":  # (a path walk's every step after 1 s)
-            return CheckPlan(
-                inode, None, self.inodes.child_path(parent, name), self.ns_lock.generation
-            )
-        if inode.kind != "file":
-            return None
-        f = inode.file
-        if f is None or not _plain_reader_case(inode, f):
-            return None
-        return CheckPlan(inode, f, self.inodes.child_path(parent, name), self.ns_lock.generation)
-
-    def lookup_checked(self, parent: int, name: str, check: CheckPlan, entry: Entry) -> Attr | None:
-        """The lookup of ``check`` with ``entry``, read from the store since:
-        what lookup() answers when the entry is the same directory, or the
-        same file at the same version, at the same inode (bound as lookup's
-        bind does, nlookup counted), if nothing was renamed or removed
-        meanwhile; else None, and the loop looks it up the usual way."""
-        if self.inodes.child(parent, name) is not check.inode or not self._still_checked(
-            check, entry
-        ):
-            return None
-        bound = self._bind(parent, name, entry)  # the same inode: same ident and kind
-        bound.nlookup += 1
-        if bound.kind == "dir":  # what a getattr of it may reuse (and an entry ticket tells)
-            self._keep_dir_attrs(bound, entry, entry.read_at)
-        return self._attr(bound, entry)
-
-    def _still_checked(self, check: CheckPlan, entry: Entry) -> bool:
-        """Whether ``entry`` shows ``check``'s inode as it was, with nothing
-        renamed or removed since the plan: the same directory, or the same
-        file at the version we hold, not written here meanwhile."""
-        inode, f = check.inode, check.f
-        if not (
-            self.ns_lock.stable_since(check.generation)
-            and entry.kind == inode.kind
-            and entry.ident == inode.ident
-        ):
-            return False
-        if f is None:  # a directory's plan
-            return inode.kind == "dir"
-        m = entry.manifest
-        return (
-            inode.file is f
-            and _plain_reader_case(inode, f)
-            and m is not None
-            and (m.file_id, m.version) == (f.file_id, f.version)
-            and self.cache.files.get(f.file_id) is f
-        )
-
-    def open_check_wanted(self, ino: int, flags: int) -> CheckPlan | None:
-        """A read-only open that :meth:`open_now` declined only because its
-        manifest check is due (close-to-open): what a thread may read from
-        the store, off the state, for :meth:`open_checked`. None for anything
-        else (the loop's open handles it)."""
-        if (flags & os.O_ACCMODE) != os.O_RDONLY:
-            return None
-        inode = self._inode(ino)
-        f = inode.file
-        if inode.kind != "file" or f is None or not _plain_reader_case(inode, f):
-            return None
-        if self._being_replaced(inode) is not None:
-            return None  # the loop's open waits for the rename
-        return CheckPlan(inode, f, self.inodes.path(ino), self.ns_lock.generation)
-
-    def open_checked(
-        self, check: CheckPlan, entry: Entry, caller: Caller
-    ) -> tuple[int, bool] | None:
-        """The open of ``check`` with ``entry``, read from the store since:
-        opened if nothing was renamed or removed meanwhile (as _resolved
-        asks), our copy is still the one to read, and the entry names that
-        very version (the same as _file_for's bind then does). None
-        otherwise: the loop opens it the usual way, reading again."""
-        if not self._still_checked(check, entry) or self._being_replaced(check.inode) is not None:
-            return None
-        inode, f, m = check.inode, check.f, entry.manifest
-        assert m is not None
-        self._checked(inode, entry)
-        # The cache's LOCAL file at the version the manifest names: load()
-        # returns it, only taking the manifest's attributes (mode, owner,
-        # times); nothing of trio's.
-        self.cache.load(m, check.path, entry.st.st_uid, entry.st.st_gid)
-        return self._opened(inode, f, caller)
 
     def _opened(self, inode: Inode, f: CachedFile, caller: Caller, fh: int = 0) -> tuple[int, bool]:
         """A read-only handle of ``f`` (numbered ``fh``, if given); whether
@@ -1531,14 +1207,12 @@ class FileSystem:
             errno.ESTALE, f"{f.path}: changed on another node while open here", logged=True
         )
 
-    def read_now(
-        self, fh: int, off: int, size: int, *, on_loop: bool
-    ) -> list[memoryview] | bytes | None:
+    def read_now(self, fh: int, off: int, size: int) -> list[memoryview] | bytes | None:
         """A read that needs no await (Cache.read_now), else None."""
         handle = self.handles.get(fh)
         if handle is None or handle.file is None or handle.plain_fd is not None:
             return None
-        return self.cache.read_now(handle.file, off, size, on_loop=on_loop)
+        return self.cache.read_now(handle.file, off, size)
 
     async def write(self, fh: int, off: int, data: bytes) -> int:
         handle = self.handles[fh]
@@ -1620,23 +1294,15 @@ class FileSystem:
     async def fsync(self, fh: int) -> None:
         await self.flush(fh)
 
-    def release_now(self, fh: int, off_loop: bool = False) -> bool:
+    def release_now(self, fh: int) -> bool:
         """Release a reader's handle, which needs no await (no commit, no
-        backing-store descriptor to close); whether it did. ``off_loop`` (the
-        FUSE request thread): also declines a release that would drop the
-        file, a mirror kept for its readers, or forget the inode, whose
-        cleanup wakes tasks on the loop."""
+        backing-store descriptor to close); whether it did."""
         handle = self.handles.get(fh)
         if handle is None:
             return True
         if handle.writable or handle.plain_fd is not None:
             return False
         inode, f = handle.inode, handle.file
-        if off_loop and (
-            (f is not None and (f.unlinked or self.cache.keeps_mirror_for(f)))
-            or (inode.opens == 1 and not inode.nlookup)
-        ):
-            return False
         del self.handles[fh]
         inode.opens -= 1
         if f is not None:

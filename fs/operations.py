@@ -20,16 +20,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from . import fuseabi as abi
-from .backing import Entry
-from .cpulatency import CpuLatencyHold
-from .filesystem import Attr, Caller, CheckPlan, FileSystem, SetAttr
+from .filesystem import Attr, Caller, FileSystem, SetAttr
 from .fuseabi import Op
-from .fusesession import CheckedPath, FuseError, Handlers, Reply, Request
+from .fusesession import FuseError, Handlers, Reply, Request
 
 log = logging.getLogger("ckptfs.fuse")
-# statfs(2) f_type of the filesystems a backing store is local on: ext2/3/4,
-# xfs, btrfs, tmpfs, f2fs (linux/magic.h).
-LOCAL_FILESYSTEMS = frozenset({0xEF53, 0x58465342, 0x9123683E, 0x01021994, 0xF2F52010})
 T = TypeVar("T")
 ATTR_TIMEOUT = 1.0  # other nodes may change names and files: keep kernel caching short
 # Refusals that are part of normal operation (by design, or the caller's
@@ -120,7 +115,6 @@ def _failed(op: str, fs: FileSystem, req: Request, exc: BaseException) -> FuseEr
 def handler(fn: Callable[[Operations, Request], Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     @functools.wraps(fn)
     async def wrapper(self: Operations, req: Request) -> T:
-        self.cpu_latency.touch()
         try:
             return await fn(self, req)
         except Exception as exc:
@@ -132,32 +126,12 @@ def handler(fn: Callable[[Operations, Request], Awaitable[T]]) -> Callable[..., 
 def fast(fn: Callable[[Operations, Request], T]) -> Callable[..., T | None]:
     @functools.wraps(fn)
     def wrapper(self: Operations, req: Request) -> T | None:
-        self.cpu_latency.touch()
         try:
             return fn(self, req)
         except Exception as exc:
             raise _failed(fn.__name__, self.fs, req, exc) from None
 
     return wrapper
-
-
-def finishing(
-    op: str,
-) -> Callable[[Callable[..., T]], Callable[..., T]]:
-    """For a CheckedPath's finish (request, plan, entry): an exception is
-    the reply's errno, logged as ``op``'s (as :func:`fast` does)."""
-
-    def wrap(fn: Callable[..., T]) -> Callable[..., T]:
-        @functools.wraps(fn)
-        def wrapper(self: Operations, req: Request, check: CheckPlan, found: Entry) -> T:
-            try:
-                return fn(self, req, check, found)
-            except Exception as exc:
-                raise _failed(op, self.fs, req, exc) from None
-
-        return wrapper
-
-    return wrap
 
 
 def _writes(flags: int) -> bool:
@@ -186,23 +160,10 @@ def attributes(attr: Attr) -> bytes:
 
 
 class Operations:
-    def __init__(
-        self,
-        fs: FileSystem,
-        writeback_cache: bool,
-        direct_writes: bool = True,
-        cpu_latency: CpuLatencyHold | None = None,
-    ) -> None:
+    def __init__(self, fs: FileSystem, writeback_cache: bool, direct_writes: bool = True) -> None:
         self.fs = fs
-        self.cpu_latency = cpu_latency or CpuLatencyHold(0)
         self.writeback_cache = writeback_cache
         self.direct_writes = direct_writes
-        # The compiled reader's tickets (fs/_fastreader.c), once it runs, and
-        # what the request thread's last answer was about: an inode, a name.
-        self.tickets: Any = None
-        self._ticket_for = 0
-        self._entry_for: tuple[int, str] | None = None
-        self._own_checks = False  # the reader's checks: a local store only
 
     def handlers(self) -> Handlers:
         """The session's dispatch table."""
@@ -243,141 +204,8 @@ class Operations:
                 Op.BATCH_FORGET: self.batch_forget_now,
                 Op.RELEASEDIR: self.releasedir_now,
             },
-            off_loop={
-                Op.OPEN: self.open_off_loop,
-                Op.READ: self.read_off_loop,
-                Op.GETATTR: self.getattr_off_loop,
-                Op.FLUSH: self.flush_now,
-                Op.RELEASE: self.release_off_loop,
-            },
-            off_loop_checked={
-                Op.OPEN: CheckedPath(self.open_check_plan, self.check_read, self.open_checked),
-                Op.LOOKUP: CheckedPath(
-                    self.lookup_check_plan, self.check_read, self.lookup_checked
-                ),
-                Op.GETATTR: CheckedPath(
-                    self.getattr_check_plan, self.check_read, self.getattr_checked
-                ),
-            },
             writeback_cache=self.writeback_cache,
-            use_tickets=self.use_tickets,
-            adopt_opens=self.adopt_opens,
-            adopt_seen=self.adopt_seen,
-            compiled_answers=self.compiled_answers,
-            after_thread_answer=self.issue_ticket,
         )
-
-    # ----- the compiled reader's tickets ----------------------------------------------------
-    def use_tickets(self, tickets: Any) -> None:
-        self.tickets = tickets
-        # A stat of a local store cannot hang as an NFS server's can, so the
-        # reader may make an open's due check itself, outside the store-call
-        # watch that bounds the thread's Python reads (fs/storecall.py).
-        root = self.fs.backing.root_fd
-        self._own_checks = type(tickets).fs_magic(root) in LOCAL_FILESYSTEMS
-        if self._own_checks:
-            tickets.checks_in(root)
-
-    def _ticket_wanted(self, ino: int) -> None:
-        """The request thread answered about ``ino`` (a file it may open next)."""
-        self._ticket_for = ino
-
-    def issue_ticket(self) -> None:
-        """After the request thread's answer, its reply written and the state
-        lock still held: tickets for the next read-only open and GETATTRs of
-        the inode it was about, and for the next LOOKUPs of the name it
-        looked up, or none (FileSystem.open_ticket, attr_ticket,
-        entry_ticket). Only the thread issues, while the loop waits: the
-        loop's next turn lapses every ticket."""
-        ino, self._ticket_for = self._ticket_for, 0
-        named, self._entry_for = self._entry_for, None
-        if self.tickets is None:
-            return
-        if ino:
-            try:
-                self._issue_open(ino)
-                self._issue_attr(ino)
-            except BaseException:
-                self.tickets.withdraw(ino)  # the answer may have changed the inode
-                raise
-            # An answer about the inode may have changed what a lookup of
-            # its name answers (a checked open takes the manifest's mode,
-            # owner and times): that ticket is issued again too.
-            named = named or self.fs.name_of(ino)
-        if named is not None:
-            try:
-                self._issue_entry(*named)
-            except BaseException:
-                self.tickets.withdraw_entry(named[0], os.fsencode(named[1]))
-                raise
-
-    def _issue_open(self, ino: int) -> None:
-        ticket = self.fs.open_ticket(ino)
-        if ticket is None:
-            self.tickets.withdraw(ino)
-            return
-        recheck = self.fs.config.open_recheck
-        self.tickets.issue(
-            ino,
-            ticket.deadline,
-            self._open_flags(os.O_RDONLY, ticket.keep, writes=False),
-            self._open_flags(os.O_RDONLY, ticket.keep_later, writes=False),
-            ticket.manifest if recheck else None,  # None: no check of the reader's own
-            ticket.identity,
-            recheck,
-        )
-
-    def _issue_attr(self, ino: int) -> None:
-        """(After _issue_open: a withdrawal takes both.)"""
-        ticket = self.fs.attr_ticket(ino)
-        if ticket is None:
-            return
-        self.tickets.issue_attr(
-            ino,
-            ticket.deadline,
-            attributes(ticket.attr),
-            ticket.recheck,
-            ticket.path if ticket.recheck else None,  # fuse.open_recheck 0: Python checks
-            ticket.identity,
-            ticket.directory,
-        )
-
-    def _issue_entry(self, parent: int, name: str) -> None:
-        raw = os.fsencode(name)
-        ticket = self.fs.entry_ticket(parent, name) if self._own_checks else None
-        if ticket is None:
-            self.tickets.withdraw_entry(parent, raw)
-            return
-        self.tickets.issue_entry(
-            parent,
-            raw,
-            ticket.child,
-            entry(ticket.attr),
-            ticket.path,
-            ticket.identity,
-            ticket.directory,
-        )
-
-    def adopt_opens(self, opened: list[tuple[int, int, int, int, int, float]]) -> None:
-        """The handles the compiled reader gave out, each for a ticket's open."""
-        for fh, ino, uid, gid, pid, checked_at in opened:
-            try:
-                self.fs.adopt_open(fh, ino, Caller(uid, gid, pid), checked_at)
-            except Exception:  # a bug: this handle's reads fail; the others stand
-                log.exception("inode %d: adopting the compiled reader's handle %d failed", ino, fh)
-
-    def adopt_seen(self, seen: list[tuple[int, bool, float]]) -> None:
-        """The LOOKUPs and GETATTRs the compiled reader answered that the
-        filesystem must know of (a kernel reference, a check of its own)."""
-        for ino, lookup, checked_at in seen:
-            try:
-                self.fs.adopt_seen(ino, lookup, checked_at)
-            except Exception:  # a bug: this inode's count is off; the others stand
-                log.exception("inode %d: adopting the compiled reader's answer failed", ino)
-
-    def compiled_answers(self) -> None:
-        """The compiled reader answered requests (its answers pass no handler)."""
-        self.cpu_latency.touch()
 
     def _open_flags(self, flags: int, keep: bool, writes: bool) -> int:
         """The OPEN/CREATE reply's flags for a handle that ``writes`` or not."""
@@ -399,42 +227,14 @@ class Operations:
     async def lookup(self, req: Request) -> Reply:
         return entry(await self.fs.lookup(req.nodeid, _one_name(req)))
 
-    def lookup_check_plan(self, req: Request) -> CheckPlan | None:
-        return self.fs.lookup_check_wanted(req.nodeid, _one_name(req))
-
-    @finishing("lookup")
-    def lookup_checked(self, req: Request, check: CheckPlan, found: Entry) -> Reply | None:
-        name = _one_name(req)
-        attr = self.fs.lookup_checked(req.nodeid, name, check, found)
-        if attr is None:
-            return None
-        self._ticket_wanted(attr.ino)
-        self._entry_for = (req.nodeid, name)
-        return entry(attr)
-
     @handler
     async def getattr(self, req: Request) -> Reply:
         return attributes(await self.fs.getattr(req.nodeid))
-
-    def getattr_check_plan(self, req: Request) -> CheckPlan | None:
-        return self.fs.getattr_check_wanted(req.nodeid)
-
-    @finishing("getattr")
-    def getattr_checked(self, req: Request, check: CheckPlan, found: Entry) -> Reply | None:
-        attr = self.fs.getattr_checked(check, found)
-        if attr is None:
-            return None
-        self._ticket_wanted(req.nodeid)
-        return attributes(attr)
 
     @fast
     def getattr_now(self, req: Request) -> Reply | None:
         attr = self.fs.getattr_now(req.nodeid)
         return None if attr is None else attributes(attr)
-
-    def getattr_off_loop(self, req: Request) -> Reply | None:
-        self._ticket_wanted(req.nodeid)
-        return self.getattr_now(req)
 
     @handler
     async def setattr(self, req: Request) -> Reply:
@@ -588,29 +388,12 @@ class Operations:
         flags, _ = abi.OPEN_IN.unpack_from(req.body)
         return self._opened(flags, self.fs.open_now(req.nodeid, flags, _caller(req)))
 
-    def open_off_loop(self, req: Request) -> Reply | None:
-        self._ticket_wanted(req.nodeid)
-        return self.open_now(req)
-
     def _opened(self, flags: int, opened: tuple[int, bool] | None) -> Reply | None:
         """A read-only open's reply (None: declined)."""
         if opened is None:
             return None
         fh, keep = opened
         return abi.open_out(fh, self._open_flags(flags, keep, _writes(flags)))
-
-    def open_check_plan(self, req: Request) -> CheckPlan | None:
-        flags, _ = abi.OPEN_IN.unpack_from(req.body)
-        return self.fs.open_check_wanted(req.nodeid, flags)
-
-    def check_read(self, check: CheckPlan) -> Entry | None:
-        return self.fs.backing.entry_here(check.path)
-
-    @finishing("open")
-    def open_checked(self, req: Request, check: CheckPlan, found: Entry) -> Reply | None:
-        flags, _ = abi.OPEN_IN.unpack_from(req.body)
-        self._ticket_wanted(req.nodeid)
-        return self._opened(flags, self.fs.open_checked(check, found, _caller(req)))
 
     @handler
     async def read(self, req: Request) -> Reply:
@@ -622,12 +405,7 @@ class Operations:
     @fast
     def read_now(self, req: Request) -> Reply | None:
         fh, off, size, *_ = abi.READ_IN.unpack_from(req.body)
-        return self.fs.read_now(fh, off, size, on_loop=True)
-
-    @fast
-    def read_off_loop(self, req: Request) -> Reply | None:
-        fh, off, size, *_ = abi.READ_IN.unpack_from(req.body)
-        return self.fs.read_now(fh, off, size, on_loop=False)
+        return self.fs.read_now(fh, off, size)
 
     @handler
     async def write(self, req: Request) -> Reply:
@@ -658,11 +436,6 @@ class Operations:
     @fast
     def release_now(self, req: Request) -> Reply | None:
         return b"" if self.fs.release_now(abi.RELEASE_IN.unpack_from(req.body)[0]) else None
-
-    @fast
-    def release_off_loop(self, req: Request) -> Reply | None:
-        fh = abi.RELEASE_IN.unpack_from(req.body)[0]
-        return b"" if self.fs.release_now(fh, off_loop=True) else None
 
     # ----- the filesystem -------------------------------------------------------------------
     @handler

@@ -146,7 +146,7 @@ def test_unknown_config_key(dirs, tmp_path):
         ("chunk_size: 1\n", "chunk_size"),
         ("node: 'a b'\n", "node"),
         ("fuse: {writeback_cache: maybe}\n", "fuse.writeback_cache"),
-        ("fuse: {request_spin: 0.5}\n", "fuse.request_spin"),  # a CPU kept busy that long
+        ("fuse: {open_recheck: soon}\n", "fuse.open_recheck"),
     ],
 )
 def test_bad_config_value_names_the_key(dirs, tmp_path, yaml_text, key):
@@ -184,9 +184,9 @@ def test_config_precedence(tmp_path):
     cfg.write_text("cache: {size: 1GiB}\nflush: {workers: 2}\n")
     c = load_config(cfg, {"flush.workers": 7}, environ={"CKPTFS_CACHE_SIZE": "2GiB"})
     assert c.cache_size == 2 << 30 and c.flush_workers == 7
-    assert c.request_spin == 0.0  # the default: off
-    spin = load_config(None, {}, environ={"CKPTFS_FUSE_REQUEST_SPIN": "0.0001"})
-    assert spin.request_spin == 0.0001
+    assert c.open_recheck == 0.05  # the default on a single node
+    recheck = load_config(None, {}, environ={"CKPTFS_FUSE_OPEN_RECHECK": "0"})
+    assert recheck.open_recheck == 0.0
     with pytest.raises(ConfigError, match="durability"):
         load_config(None, {"durability": "buddy"}, environ={})
 

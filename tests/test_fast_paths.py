@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import pytest
 import trio
-from ckptfs.fs.cachedfile import CachedFile, ChunkMap
+from ckptfs.fs.cachedfile import ChunkMap
 from ckptfs.fs.filesystem import Caller, FsError
 from ckptfs.fs.inodes import ROOT
 from ckptfs.fs.manifest import Manifest, new_id
@@ -43,7 +43,7 @@ def tables(h: Harness) -> tuple[Any, ...]:
     return (dict(fs.handles), inodes, files)
 
 
-def test_a_reader_opens_and_closes_off_the_loop_as_on_it(h: Harness) -> None:
+def test_a_reader_opens_and_closes_inline(h: Harness) -> None:
     fs = h.core.fs
     ino, fh = opened(h, "a.pt")  # the lookup checked the manifest just now
     close(h, fh)
@@ -76,7 +76,7 @@ def test_it_declines_what_needs_the_store_or_the_loop(h: Harness, monkeypatch: A
     assert tables(h) == before
 
 
-def test_a_file_being_written_here_opens_off_the_loop(h: Harness, monkeypatch: Any) -> None:
+def test_a_file_being_written_here_opens_inline(h: Harness, monkeypatch: Any) -> None:
     """Our copy is the current one while a writer has it: no check needed."""
     fs = h.core.fs
     monkeypatch.setattr(fs.config, "open_recheck", 0.0)
@@ -87,7 +87,7 @@ def test_a_file_being_written_here_opens_off_the_loop(h: Harness, monkeypatch: A
     fh_r, keep = got
     assert not keep  # modified: the kernel must not keep older pages
     assert inline(h, fs.getattr_now, attr.ino).size == 100
-    # The writer's close publishes, and its release may commit: not off the loop.
+    # The writer's close publishes, and its release may commit: not inline.
     assert inline(h, fs.flush_now, fh_w) is False
     assert inline(h, fs.release_now, fh_w) is False
     assert inline(h, fs.release_now, fh_r) is True
@@ -106,30 +106,6 @@ def test_the_last_reader_of_a_removed_file_drops_it(h: Harness) -> None:
     assert fh not in fs.handles
     inline(h, fs.forget, ino, fs.inodes[ino].nlookup)  # the kernel forgets it
     assert not f.ram_count and not f.pages  # dropped: its slots went back
-
-
-def test_the_request_thread_leaves_releases_that_clean_up_to_the_loop(h: Harness) -> None:
-    """Off the loop (the FUSE request thread) a release declines, before it
-    changes anything, when it would drop a removed file or forget the inode:
-    that cleanup wakes tasks on the loop. An ordinary reader's release goes
-    through."""
-    fs = h.core.fs
-    ino, fh = opened(h, "e.pt")
-    fh2, _ = h.call(fs.open, ino, os.O_RDONLY, CALLER)
-    assert inline(h, fs.release_now, fh2, True) is True  # another handle stays open
-    assert fh2 not in fs.handles
-    h.call(fs.unlink, ROOT, "e.pt")
-    f = fs.inodes[ino].file
-    before = tables(h)
-    assert inline(h, fs.release_now, fh, True) is False  # would drop f
-    assert tables(h) == before and f.ram_count
-    assert inline(h, fs.release_now, fh) is True  # on the loop it does
-    ino3, fh3 = opened(h, "g.pt")
-    inline(h, fs.forget, ino3, fs.inodes[ino3].nlookup)  # the kernel forgot the name
-    before = tables(h)
-    assert inline(h, fs.release_now, fh3, True) is False  # would forget the inode
-    assert tables(h) == before
-    assert inline(h, fs.release_now, fh3) is True
 
 
 def test_a_plain_file_is_opened_on_the_loop(h: Harness) -> None:
@@ -174,21 +150,21 @@ def test_open_flags_leave_the_flush_to_whoever_may_write(h: Harness) -> None:
     h.call(h.core.fs.release, fh_r)
 
 
-def read_now_copied(h: Harness, fh: int, off: int, size: int, on_loop: bool) -> bytes | None:
+def read_now_copied(h: Harness, fh: int, off: int, size: int) -> bytes | None:
     """``FileSystem.read_now`` as a reader runs it, its views copied before
     the loop runs on (they are valid until its next await)."""
 
     def read() -> bytes | None:
-        got = h.core.fs.read_now(fh, off, size, on_loop=on_loop)
+        got = h.core.fs.read_now(fh, off, size)
         return None if got is None else b"".join(got) if isinstance(got, list) else bytes(got)
 
     return inline(h, read)
 
 
-def test_a_read_of_bytes_in_ram_is_answered_off_the_loop_as_on_it(h: Harness) -> None:
+def test_a_read_of_bytes_in_ram_is_answered_inline_as_by_a_task(h: Harness) -> None:
     """A file saved here keeps its pages in RAM: every read of it needs no
-    await, and gives exactly what the async read gives, on the loop and off
-    it (the request thread), across pages and past the end."""
+    await, and gives exactly what the async read gives, across pages and
+    past the end."""
     fs = h.core.fs
     data = random.randbytes(3 * fs.cache.page_size + 1234)
     ino, fh = opened(h, "r.pt", data)
@@ -199,49 +175,25 @@ def test_a_read_of_bytes_in_ram_is_answered_off_the_loop_as_on_it(h: Harness) ->
     for off, n in ranges:
         want = data[off : off + n]
         assert h.call(fs.read, fh, off, n) == want, (off, n)
-        for on_loop in (True, False):
-            assert read_now_copied(h, fh, off, n, on_loop) == want, (off, n, on_loop)
+        assert read_now_copied(h, fh, off, n) == want, (off, n)
     close(h, fh)
 
 
-def test_a_read_that_needs_a_chunk_waits_for_it_off_the_loop(h: Harness) -> None:
-    """Evicted to its stored chunks, a file's read declines off the loop
-    (the loop reads the chunk, and starts the read-ahead); once a frame
-    holds the chunk, the loop answers without an await, the thread still
-    not (read-ahead needs the loop)."""
+def test_a_read_that_needs_a_chunk_waits_for_it(h: Harness) -> None:
+    """Evicted to its stored chunks, a file's read declines inline (a task
+    reads the chunk, and starts the read-ahead); once a frame holds the
+    chunk, it is answered without an await."""
     fs = h.core.fs
     data = random.randbytes(2 * fs.cache.page_size + 77)
     ino, fh = opened(h, "e.pt", data)
     f = fs.inodes[ino].file
     assert inline(h, fs.cache.evict, f) and not f.ram_count
-    assert read_now_copied(h, fh, 0, 4096, False) is None
-    assert read_now_copied(h, fh, 0, 4096, True) is None  # no frame yet
+    assert read_now_copied(h, fh, 0, 4096) is None  # no frame yet
     assert h.call(fs.read, fh, 0, 4096) == data[:4096]  # the chunk's frame is read
-    assert read_now_copied(h, fh, 100, 4096, True) == data[100:4196]
-    assert read_now_copied(h, fh, 100, 4096, False) is None
+    assert read_now_copied(h, fh, 100, 4096) == data[100:4196]
     close(h, fh)
     h.call(fs.unlink, ROOT, "e.pt")
-    assert read_now_copied(h, fh, 0, 10, True) is None  # a released handle: the loop's EBADF
-
-
-def test_a_release_that_would_drop_a_kept_mirror_is_left_to_the_loop(h: Harness) -> None:
-    """On a buddy, a mirror kept for the readers of a version (FileRole.KEPT)
-    goes with their last handle, and freeing its slots wakes the loop's
-    tasks that wait for space: the request thread leaves that release to
-    the loop, which drops the mirror."""
-    fs, cache = h.core.fs, h.core.cache
-    ino, fh = opened(h, "k.pt")
-    f = fs.handles[fh].file
-    assert f is not None
-    kept = CachedFile(f.file_id, f.version, "k.pt", 0, 0o644, 0, 0, 0, 0, cache.page_size)
-    kept.role = FileRole.KEPT
-    cache.kept_mirrors[(f.file_id, f.version)] = kept
-    before = tables(h)
-    assert inline(h, fs.release_now, fh, True) is False
-    assert tables(h) == before
-    h.call(fs.flush, fh)
-    h.call(fs.release, fh)
-    assert not cache.kept_mirrors
+    assert read_now_copied(h, fh, 0, 10) is None  # a released handle: a task's EBADF
 
 
 async def _no_peer_answers(*args: object) -> bytes:

@@ -230,18 +230,18 @@ class LifecycleModel(RuleBasedStateMachine):
         assert got == bytes(h.ref.data[off : off + size]), (off, size)
 
     @precondition(lambda self: bool(self.handles))
-    @rule(data=st.data(), off=OFFSETS, size=SIZES, on_loop=st.booleans())
-    def read_now(self, data: st.DataObject, off: int, size: int, on_loop: bool) -> None:
-        """A READ's fast path (the loop inline, or the request thread with the
-        loop parked) at whatever point the background work stands: it
-        declines, or gives exactly the bytes the file has."""
+    @rule(data=st.data(), off=OFFSETS, size=SIZES)
+    def read_now(self, data: st.DataObject, off: int, size: int) -> None:
+        """A READ's fast path (answered inline) at whatever point the
+        background work stands: it declines, or gives exactly the bytes the
+        file has."""
         STEPS["count"] += 1
         h = data.draw(st.sampled_from(self.handles))
         if h.ref.lost:
             return  # (the async read's EIO)
-        got = read_now_copied(self.h, h.fh, off, size, on_loop)
+        got = read_now_copied(self.h, h.fh, off, size)
         if got is not None:
-            assert got == bytes(h.ref.data[off : off + size]), (off, size, on_loop)
+            assert got == bytes(h.ref.data[off : off + size]), (off, size)
 
     @precondition(lambda self: any(h.writable for h in self.handles))
     @rule(data=st.data(), sched=SCHED)

@@ -23,35 +23,12 @@ def peaks_line(peak: dict[str, int] | None) -> str:
     )
 
 
-def cpu_latency_text(cpu: dict[str, Any], key: str = "fuse.cpu_latency_hold") -> str:
-    taken = f"held {cpu['holds']} time(s), {cpu['held_seconds']:.1f}s in all"
-    return {
-        "held": f"kept quick to wake while requests flow ({taken})",
-        "idle": f"sleep as usual, no recent request ({taken})",
-        "off": f"sleep as usual ({key} is 0)",
-    }.get(cpu["state"], f"sleep as usual: wake-up latency not held ({cpu['reason']})")
-
-
 def requests_text(fuse: dict[str, Any]) -> str:
     """How the FUSE requests were answered (fs/fusesession.py)."""
     r = fuse["requests"]
-    failed = r.get("thread_failures", 0)
-    failures = f"; the thread FAILED {failed} time(s): the loop reads for good" if failed else ""
-    compiled = (
-        f"; {r.get('compiled_opens', 0)} opens, {r.get('compiled_lookups', 0)} lookups, "
-        f"{r.get('compiled_getattrs', 0)} getattrs and {r.get('compiled_ioctls', 0)} isatty "
-        "by its compiled reader"
-        if fuse.get("reader") == "compiled"
-        else ""
-    )
     return (
-        f"requests: {r['fast']} answered inline ({r.get('thread', 0)} by the request thread, "
-        f"{r.get('checked', 0)} of them after its own store read{compiled}; "
-        f"{r.get('taken', 0)} such read(s) ran so long that the loop took the reading"
-        f"{failures}), "
-        f"{r['handled']} by {fuse['workers']} "
+        f"requests: {r['fast']} answered inline, {r['handled']} by {fuse['workers']} "
         f"worker task(s) ({r['declined']} declined by a fast path), {r['stateless']} stateless, "
-        f"{r.get('spun', 0)} found by the request thread while it spun, "
         f"{r.get('interrupts', 0)} interrupted by a stop signal "
         f"({r.get('signals_ignored', 0)} other signal(s) ignored)"
     )
@@ -118,25 +95,13 @@ def format_stat(s: dict[str, Any]) -> str:
         + (f", cap {human(fl['bandwidth_cap'])}/s" if fl["bandwidth_cap"] else ""),
     ]
     fuse = s.get("fuse") or {}
-    if "cpu_latency" in fuse:  # absent from a daemon older than this CLI
-        lines.append(
-            f"fuse:    {fuse['handles']} open handle(s), {fuse['inodes']} inode(s); "
-            f"idle CPUs {cpu_latency_text(fuse['cpu_latency'])}"
-        )
+    if "handles" in fuse:
+        lines.append(f"fuse:    {fuse['handles']} open handle(s), {fuse['inodes']} inode(s)")
     if fuse.get("opens_waited_for_rename"):
         lines.append(
             f"         {fuse['opens_waited_for_rename']} open(s) waited for a rename onto "
             f"their name, {fuse['opens_sent_back']} of them sent to walk the path again"
         )
-    if "burst_latency" in fuse:
-        hold = fuse["burst_latency"]
-        burst = cpu_latency_text(hold, "fuse.burst_latency_hold")
-        if hold.get("lengthened"):
-            burst += (
-                f"; held longer for {hold['lengthened']} burst(s), to the pause before them "
-                f"(up to {hold['longest'] * 1000:g} ms)"
-            )
-        lines.append(f"         in bursts of small requests: {burst}")
     if "requests" in fuse:
         lines.append(f"         {requests_text(fuse)}")
     pushed = fuse.get("pages_pushed") or {}

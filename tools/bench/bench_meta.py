@@ -509,8 +509,7 @@ def context(
         f"{load[0]:.1f} at the start, {load[1]:.1f} at the end",
         f"ckptfs: durability {status['durability']}, backing dir {layout.backing}, cache "
         f"{status['cache']['capacity'] >> 20} MiB in {layout.cache}; plain dir {layout.disk} "
-        "(same filesystem as the backing dir); the request thread's reader: "
-        f"{status['fuse'].get('reader', 'python')} (fuse.compiled_reader)",
+        "(same filesystem as the backing dir)",
         f"{args.rounds} rounds after an untimed warm-up round, {args.ops} files of "
         f"{FILE_BYTES} bytes per operation per round, targets in alternating order; "
         "medians and p90 per round, then the median over the rounds",

@@ -7,8 +7,8 @@ The single-node filesystem in ``ckptfs.fs`` records holders in every manifest
 and keeps per-file state so that the features above can attach.
 """
 
-from .auth import AuthError
-from .transport import (
+from ckptfs.peer.transport.auth import AuthError
+from ckptfs.peer.transport.transport import (
     ConnectionClosed,
     Limits,
     PeerClient,
@@ -21,7 +21,7 @@ from .transport import (
     connect,
     serve,
 )
-from .wire import PeerError, ProtocolError
+from ckptfs.peer.transport.wire import PeerError, ProtocolError
 
 __all__ = [
     "AuthError",

@@ -43,16 +43,15 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-from ckptfs.fs.config import ConfigError
-
-from .auth import MIN_SECRET_BYTES, one_line
+from ckptfs.fs.daemon.config import ConfigError
+from ckptfs.peer.transport.auth import MIN_SECRET_BYTES, one_line
 
 DEFAULT_TIMEOUT = 5.0
 DEFAULT_HEARTBEAT = 1.0
 SECTION = "peers"
 KEYS = ("listen", "nodes", "buddies", "secret_file", "timeout", "heartbeat", "tls")
 TLS_KEYS = ("cert", "key", "ca")
-# The same rule as the top-level `node` key (fs/config.py), so any name that
+# The same rule as the top-level `node` key (fs/daemon/config.py), so any name that
 # is valid there is valid here.
 _NODE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _HOSTNAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})")

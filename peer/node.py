@@ -14,16 +14,15 @@ from functools import partial
 from typing import Any
 
 import trio
-from ckptfs.fs.cache import Cache
-from ckptfs.fs.manifest import Manifest
-
-from .config import PeersConfig, ssl_contexts
-from .identity import NodeIdentities, source_address
-from .membership import HEARTBEAT, Membership
-from .mirror import ROUTES as MIRROR_ROUTES
-from .mirror import MirrorClient, MirrorServer
-from .reads import READ, LocalRead, PeerFetcher, PeerReadError, ReadServer
-from .transport import PeerClient, Request, Response, serve
+from ckptfs.fs.cache.cache import Cache
+from ckptfs.fs.store.manifest import Manifest
+from ckptfs.peer.config import PeersConfig, ssl_contexts
+from ckptfs.peer.membership.membership import HEARTBEAT, Membership
+from ckptfs.peer.mirror.mirror import ROUTES as MIRROR_ROUTES
+from ckptfs.peer.mirror.mirror import MirrorClient, MirrorServer
+from ckptfs.peer.reads.reads import READ, LocalRead, PeerFetcher, PeerReadError, ReadServer
+from ckptfs.peer.transport.identity import NodeIdentities, source_address
+from ckptfs.peer.transport.transport import PeerClient, Request, Response, serve
 
 log = logging.getLogger("ckptfs.peer.node")
 

@@ -248,7 +248,7 @@ def store_key(path: Path, backing: Path | None = None) -> bytes:
     """The manifest key of the backing directory ``backing`` (made if it has
     none), or of the first at or above ``path`` with a .ckptfs: what a
     daemon of that store seals its manifests with."""
-    from ckptfs.fs.storedirs import CKPTFS_DIR, StoreDirs
+    from ckptfs.fs.store.storedirs import CKPTFS_DIR, StoreDirs
 
     if backing is None:
         backing = next((r for r in (path, *path.parents) if (r / CKPTFS_DIR).is_dir()), None)
@@ -266,6 +266,6 @@ def write_store_manifest(
 ) -> None:
     """A manifest written into a backing directory as a ckptfs daemon of that
     store would (sealed): for tests that stand for another node."""
-    from ckptfs.fs.manifest import write_manifest
+    from ckptfs.fs.store.manifest import write_manifest
 
     write_manifest(path, manifest, key=store_key(path.parent, backing), **kwargs)

@@ -22,11 +22,11 @@ from typing import Any
 
 import trio
 import trio.testing
-from ckptfs.fs.blocking import BackingIO, Call
-from ckptfs.fs.chunkstore import ChunkStore
-from ckptfs.fs.config import Config
-from ckptfs.fs.core import Core
-from ckptfs.fs.manifest import read_manifest
+from ckptfs.fs.daemon.config import Config
+from ckptfs.fs.daemon.core import Core
+from ckptfs.fs.store.blocking import BackingIO, Call
+from ckptfs.fs.store.chunkstore import ChunkStore
+from ckptfs.fs.store.manifest import read_manifest
 
 BACKGROUND: contextvars.ContextVar[str | None] = contextvars.ContextVar("bg", default=None)
 
@@ -303,7 +303,7 @@ class Harness:
 
     def corrupt_chunks(self) -> list[str]:
         """Stored chunks whose bytes do not match their name."""
-        from ckptfs.fs.chunkstore import chunk_hash
+        from ckptfs.fs.store.chunkstore import chunk_hash
 
         bad = []
         for path in (self.backing / ".ckptfs" / "chunks").rglob("*"):
@@ -326,7 +326,7 @@ def errno_of(exc: BaseException) -> int:
 
 def audit(core: Core) -> list[str]:
     """Problems with the cache's internal consistency (empty when all is well)."""
-    from ckptfs.fs.state import FileState, PageState
+    from ckptfs.fs.cache.state import FileState, PageState
 
     cache = core.cache
     problems = []

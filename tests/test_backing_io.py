@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import trio
-from ckptfs.fs.backing import Backing, Entry
-from ckptfs.fs.blocking import BackingIO, Call
-from ckptfs.fs.manifest import Chunk, Manifest, read_manifest, write_manifest
+from ckptfs.fs.store.backing import Backing, Entry
+from ckptfs.fs.store.blocking import BackingIO, Call
+from ckptfs.fs.store.manifest import Chunk, Manifest, read_manifest, write_manifest
 
 
 def open_fds() -> set[int]:
@@ -113,7 +113,7 @@ def test_a_manifest_write_survives_short_writes_and_syncs_its_directory(tmp_path
 
 
 def test_background_work_runs_at_a_lower_priority_and_restores_it(monkeypatch):
-    from ckptfs.fs import blocking
+    from ckptfs.fs.store import blocking
 
     def nice() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

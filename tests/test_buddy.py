@@ -15,7 +15,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from ckptfs.fs.manifest import read_manifest
+from ckptfs.fs.store.manifest import read_manifest
 from conftest import Mount, wait_for
 from test_peers_mount import cluster_config, free_port, peers_of
 from test_users import GROUP, USER, run_as

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from ckptfs.fs.manifest import read_manifest
+from ckptfs.fs.store.manifest import read_manifest
 
 
 def files_by_path(stat: dict) -> dict[str, dict]:

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ckptfs.fs import chunkstore
-from ckptfs.fs.chunkstore import DIRECT_ALIGN, ChunkStore, pieces_hash
+from ckptfs.fs.store import chunkstore
+from ckptfs.fs.store.chunkstore import DIRECT_ALIGN, ChunkStore, pieces_hash
 
 MiB = 1 << 20
 PS = DIRECT_ALIGN

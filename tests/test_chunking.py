@@ -8,8 +8,8 @@ import struct
 import zipfile
 
 import pytest
-from ckptfs.fs.chunking import SMALL_PIECE, plan_chunks
-from ckptfs.fs.chunkstore import chunk_hash
+from ckptfs.fs.store.chunking import SMALL_PIECE, plan_chunks
+from ckptfs.fs.store.chunkstore import chunk_hash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from ckptfs.fs.config import ConfigError, load_config, parse_size
+from ckptfs.fs.daemon.config import ConfigError, load_config, parse_size
 from conftest import process_gone
 
 
@@ -195,7 +195,7 @@ def test_a_run_dir_set_in_the_config_file_is_where_every_command_looks(mounts, t
     """`run_dir:` in the YAML file, no CKPTFS_RUN_DIR: `ckptfs mount` used to
     ping /run/ckptfs for 60 s, then SIGKILL the daemon that had mounted fine,
     leaving a dead mount; the other commands could not find it either."""
-    from ckptfs.fs.manifest import read_manifest
+    from ckptfs.fs.store.manifest import read_manifest
     from conftest import is_mounted
 
     m = mounts("cfg")

@@ -1,5 +1,5 @@
 """The control socket's serve loop without FUSE: connection bounds, deadlines
-and accept errors (fs/control.py). Mount-level checks are in
+and accept errors (fs/daemon/control.py). Mount-level checks are in
 test_control_users.py."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import trio
-from ckptfs.fs import control
+from ckptfs.fs.daemon import control
 from hostile import flood
 
 USER, OTHER = 65534, 65533

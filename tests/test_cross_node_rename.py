@@ -4,7 +4,7 @@ A multi-node job's ranks write their shards into a temporary directory and
 rank 0, on whichever node it runs, renames the directory into place; or a
 file saved on one node is moved into place from another. The writer's
 flusher publishes at the path it knows: it found no name there, took the
-file for removed and dropped its only copies (fs/renamelog.py). Real
+file for removed and dropped its only copies (fs/store/renamelog.py). Real
 daemons, one backing directory, random data compared whole.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ckptfs.fs.manifest import read_manifest
+from ckptfs.fs.store.manifest import read_manifest
 from conftest import wait_for
 from test_buddy import PEER_LOGS, cluster
 

@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 import torch
-from ckptfs.fs.chunkstore import ChunkStore
-from ckptfs.fs.manifest import read_manifest
+from ckptfs.fs.store.chunkstore import ChunkStore
+from ckptfs.fs.store.manifest import read_manifest
 from test_chunking import safetensors_bytes
 
 
@@ -125,7 +125,7 @@ def test_export_gc_check_cli(mounts, tmp_path):
     # an orphan chunk past the grace period is collected; referenced ones never
     store = ChunkStore(m.backing)
     orphan = b"nobody references me" * 1000
-    from ckptfs.fs.chunkstore import chunk_hash
+    from ckptfs.fs.store.chunkstore import chunk_hash
 
     store.put(chunk_hash(orphan), orphan)
     old = time.time() - 7200

@@ -18,11 +18,11 @@ from typing import Any, TypeVar
 
 import pytest
 import trio
-from ckptfs.fs.cachedfile import ChunkMap
-from ckptfs.fs.filesystem import Caller, FsError
-from ckptfs.fs.inodes import ROOT
-from ckptfs.fs.manifest import Manifest, new_id
-from ckptfs.fs.state import FileRole
+from ckptfs.fs.cache.cachedfile import ChunkMap
+from ckptfs.fs.cache.state import FileRole
+from ckptfs.fs.namespace.filesystem import Caller, FsError
+from ckptfs.fs.namespace.inodes import ROOT
+from ckptfs.fs.store.manifest import Manifest, new_id
 from conftest import write_store_manifest
 from lifecycle_harness import Harness
 from test_getattr import CALLER, close, opened
@@ -123,10 +123,10 @@ def test_open_flags_leave_the_flush_to_whoever_may_write(h: Harness) -> None:
     """FOPEN_NOFLUSH (no FLUSH at close) only for a handle that cannot write:
     a read-only open. A create's handle writes whatever its flags say, and
     its close must commit (the close is the durability point)."""
-    from ckptfs.fs import fuseabi as abi
-    from ckptfs.fs.fuseabi import Op
-    from ckptfs.fs.fusesession import Request
-    from ckptfs.fs.operations import Operations
+    from ckptfs.fs.fuse import abi as abi
+    from ckptfs.fs.fuse.abi import Op
+    from ckptfs.fs.fuse.operations import Operations
+    from ckptfs.fs.fuse.session import Request
 
     ops = Operations(h.core.fs, writeback_cache=False)
 

@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from ckptfs.fs import interrupts
-from ckptfs.fs.arena import Arena
-from ckptfs.fs.blocking import BackingIO
-from ckptfs.fs.chunkstore import ChunkStore, chunk_hash
-from ckptfs.fs.frames import FrameCache
-from ckptfs.fs.manifest import Chunk
+from ckptfs.fs.cache.arena import Arena
+from ckptfs.fs.fuse import interrupts
+from ckptfs.fs.read.frames import FrameCache
+from ckptfs.fs.store.blocking import BackingIO
+from ckptfs.fs.store.chunkstore import ChunkStore, chunk_hash
+from ckptfs.fs.store.manifest import Chunk
 
 MiB = 1 << 20
 TIMEOUT = 20

@@ -8,7 +8,7 @@ import stat
 from dataclasses import dataclass
 
 import pytest
-from ckptfs.fs import fuseabi as abi
+from ckptfs.fs.fuse import abi as abi
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""ckptfs's own FUSE session (fs/fusesession.py) on a real mount of a tiny
+"""ckptfs's own FUSE session (fs/fuse/session.py) on a real mount of a tiny
 filesystem: the kernel protocol, fast paths answered inline, workers,
 errors, buffers, and the ways a session ends."""
 
@@ -27,11 +27,11 @@ from typing import Any
 
 import pytest
 import trio
-from ckptfs.fs import fuseabi as abi
-from ckptfs.fs import fusemount
-from ckptfs.fs.fuseabi import Op
-from ckptfs.fs.fusesession import FuseError, Handlers, Request, Session
-from ckptfs.fs.interrupts import interruptible
+from ckptfs.fs.fuse import abi
+from ckptfs.fs.fuse import mount as fusemount
+from ckptfs.fs.fuse.abi import Op
+from ckptfs.fs.fuse.interrupts import interruptible
+from ckptfs.fs.fuse.session import FuseError, Handlers, Request, Session
 
 TIMEOUT = 20
 DIRS = 1 << 40  # Tiny's inode numbers of directories start here
@@ -467,8 +467,8 @@ def _mount_as_nobody(mnt: Path) -> None:
         import os, sys, threading, trio
         sys.path.insert(0, sys.argv[2])
         from test_fusesession import Tiny
-        from ckptfs.fs import fusemount
-        from ckptfs.fs.fusesession import Session
+        from ckptfs.fs.fuse import mount as fusemount
+        from ckptfs.fs.fuse.session import Session
         os.setgroups([]); os.setgid(65534); os.setuid(65534)
         mnt = sys.argv[1]
         fd = fusemount.mount(mnt, "tinyfs", {"default_permissions"})

@@ -20,11 +20,11 @@ import random
 import time
 
 import pytest
-from ckptfs.fs import backing as backing_mod
-from ckptfs.fs.chunkstore import ChunkStore, chunk_hash
-from ckptfs.fs.filesystem import Caller, SetAttr
-from ckptfs.fs.inodes import ROOT
-from ckptfs.fs.manifest import Chunk, Manifest, new_id, read_manifest
+from ckptfs.fs.namespace.filesystem import Caller, SetAttr
+from ckptfs.fs.namespace.inodes import ROOT
+from ckptfs.fs.store import backing as backing_mod
+from ckptfs.fs.store.chunkstore import ChunkStore, chunk_hash
+from ckptfs.fs.store.manifest import Chunk, Manifest, new_id, read_manifest
 from conftest import write_store_manifest
 from lifecycle_harness import Harness
 from test_name_races import save

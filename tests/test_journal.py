@@ -1,4 +1,4 @@
-"""The cache journal (fs/journal.py): its records on tmpfs, written and
+"""The cache journal (fs/cache/journal.py): its records on tmpfs, written and
 removed from store-call threads, some of which the loop gave up on."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ckptfs.fs import journal as journal_mod
-from ckptfs.fs.journal import Journal, check_record
+from ckptfs.fs.cache import journal as journal_mod
+from ckptfs.fs.cache.journal import Journal, check_record
 
 KEY = ("f1", "v1")
 

@@ -21,8 +21,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from ckptfs.fs.chunkstore import ChunkStore, chunk_hash
-from ckptfs.fs.manifest import Chunk, Manifest, new_id, read_manifest
+from ckptfs.fs.store.chunkstore import ChunkStore, chunk_hash
+from ckptfs.fs.store.manifest import Chunk, Manifest, new_id, read_manifest
 from conftest import wait_for, write_store_manifest
 
 MiB = 1 << 20
@@ -371,7 +371,7 @@ def test_check_does_not_call_a_file_saved_again_during_the_check_lost(mounts, mo
     m.mount(env={"CKPTFS_FLUSH_BANDWIDTH": "512KiB", "CKPTFS_CHUNK_SIZE": "256KiB"})
     (m.mnt / "last.pt").write_bytes(rand(3 * MiB, 11))
     monkeypatch.setenv("CKPTFS_RUN_DIR", str(m.run_dir))
-    from ckptfs.tools import offline_cli
+    from ckptfs.tools.offline import cli as offline_cli
 
     real = offline_cli.request
 

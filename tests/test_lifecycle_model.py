@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from ckptfs.fs.filesystem import Caller, SetAttr
-from ckptfs.fs.inodes import ROOT
-from ckptfs.fs.state import FileState
+from ckptfs.fs.cache.state import FileState
+from ckptfs.fs.namespace.filesystem import Caller, SetAttr
+from ckptfs.fs.namespace.inodes import ROOT
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (

@@ -24,17 +24,17 @@ from typing import Any
 
 import trio
 import trio.testing
-from ckptfs.fs.arena import Arena
-from ckptfs.fs.blocking import BackingIO
-from ckptfs.fs.cache import Cache
-from ckptfs.fs.cachedfile import CachedFile
-from ckptfs.fs.chunkstore import ChunkStore
-from ckptfs.fs.journal import Journal
-from ckptfs.fs.manifest import Manifest, new_id
-from ckptfs.fs.state import FileState, MirrorState
-from ckptfs.peer.mirror import MirrorClient, MirrorServer
-from ckptfs.peer.transport import Request, Response
-from ckptfs.peer.wire import PeerError
+from ckptfs.fs.cache.arena import Arena
+from ckptfs.fs.cache.cache import Cache
+from ckptfs.fs.cache.cachedfile import CachedFile
+from ckptfs.fs.cache.journal import Journal
+from ckptfs.fs.cache.state import FileState, MirrorState
+from ckptfs.fs.store.blocking import BackingIO
+from ckptfs.fs.store.chunkstore import ChunkStore
+from ckptfs.fs.store.manifest import Manifest, new_id
+from ckptfs.peer.mirror.mirror import MirrorClient, MirrorServer
+from ckptfs.peer.transport.transport import Request, Response
+from ckptfs.peer.transport.wire import PeerError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -12,14 +12,14 @@ from typing import Any
 
 import trio
 import trio.testing
-from ckptfs.fs.backing import Backing
-from ckptfs.fs.blocking import BackingIO
-from ckptfs.fs.cachedfile import ChunkMap
-from ckptfs.fs.manifest import Manifest
-from ckptfs.fs.state import FileRole, FileState, MirrorState, Published
-from ckptfs.peer import mirror as mirror_mod
-from ckptfs.peer.mirror import COMMIT, PAGE, RENAME, MirrorServer, page_digest
-from ckptfs.peer.transport import Request, Response
+from ckptfs.fs.cache.cachedfile import ChunkMap
+from ckptfs.fs.cache.state import FileRole, FileState, MirrorState, Published
+from ckptfs.fs.store.backing import Backing
+from ckptfs.fs.store.blocking import BackingIO
+from ckptfs.fs.store.manifest import Manifest
+from ckptfs.peer.mirror import mirror as mirror_mod
+from ckptfs.peer.mirror.mirror import COMMIT, PAGE, RENAME, MirrorServer, page_digest
+from ckptfs.peer.transport.transport import Request, Response
 from conftest import write_store_manifest
 from test_mirror_unit import (
     PS,

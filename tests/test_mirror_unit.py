@@ -13,19 +13,19 @@ from typing import Any
 
 import trio
 import trio.testing
-from ckptfs.fs import backing as backing_mod
-from ckptfs.fs.arena import Arena
-from ckptfs.fs.backing import Backing, PlainFile
-from ckptfs.fs.blocking import BackingIO
-from ckptfs.fs.cache import Cache
-from ckptfs.fs.cachedfile import CachedFile, ChunkMap
-from ckptfs.fs.chunkstore import ChunkStore
-from ckptfs.fs.journal import Journal, record_of
-from ckptfs.fs.manifest import MAGIC, Chunk, Manifest, new_id, read_manifest
-from ckptfs.fs.state import FileRole, FileState, MirrorState, PageState, Published
-from ckptfs.peer.mirror import COMMIT, DROP, PAGE, MirrorClient, MirrorServer, page_digest
-from ckptfs.peer.reads import MOVED_ON, READ, ReadServer
-from ckptfs.peer.transport import Request, Response
+from ckptfs.fs.cache.arena import Arena
+from ckptfs.fs.cache.cache import Cache
+from ckptfs.fs.cache.cachedfile import CachedFile, ChunkMap
+from ckptfs.fs.cache.journal import Journal, record_of
+from ckptfs.fs.cache.state import FileRole, FileState, MirrorState, PageState, Published
+from ckptfs.fs.store import backing as backing_mod
+from ckptfs.fs.store.backing import Backing, PlainFile
+from ckptfs.fs.store.blocking import BackingIO
+from ckptfs.fs.store.chunkstore import ChunkStore
+from ckptfs.fs.store.manifest import MAGIC, Chunk, Manifest, new_id, read_manifest
+from ckptfs.peer.mirror.mirror import COMMIT, DROP, PAGE, MirrorClient, MirrorServer, page_digest
+from ckptfs.peer.reads.reads import MOVED_ON, READ, ReadServer
+from ckptfs.peer.transport.transport import Request, Response
 from conftest import write_store_manifest
 
 MiB = 1 << 20

@@ -27,10 +27,10 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from ckptfs.fs.filesystem import Caller, SetAttr
-from ckptfs.fs.inodes import ROOT
-from ckptfs.fs.manifest import MAGIC
-from ckptfs.fs.state import FileState
+from ckptfs.fs.cache.state import FileState
+from ckptfs.fs.namespace.filesystem import Caller, SetAttr
+from ckptfs.fs.namespace.inodes import ROOT
+from ckptfs.fs.store.manifest import MAGIC
 from lifecycle_harness import Harness, audit
 
 CALLER = Caller(0, 0)

@@ -9,14 +9,14 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from ckptfs.fs.chunking import plan_chunks
-from ckptfs.fs.chunkstore import CKPTFS_DIR, ChunkStore, chunk_hash
-from ckptfs.fs.manifest import MAGIC, Chunk, Manifest, new_id, tmp_name_for
-from ckptfs.fs.retention import apply_retention
-from ckptfs.tools import gc as gc_module
-from ckptfs.tools.check import check
-from ckptfs.tools.export import export
-from ckptfs.tools.gc import collect_garbage
+from ckptfs.fs.store.chunking import plan_chunks
+from ckptfs.fs.store.chunkstore import CKPTFS_DIR, ChunkStore, chunk_hash
+from ckptfs.fs.store.manifest import MAGIC, Chunk, Manifest, new_id, tmp_name_for
+from ckptfs.fs.store.retention import apply_retention
+from ckptfs.tools.offline import gc as gc_module
+from ckptfs.tools.offline.check import check
+from ckptfs.tools.offline.export import export
+from ckptfs.tools.offline.gc import collect_garbage
 from conftest import write_store_manifest
 
 torch = pytest.importorskip("torch")

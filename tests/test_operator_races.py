@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 import trio
-from ckptfs.fs.filesystem import Caller
-from ckptfs.fs.inodes import ROOT
-from ckptfs.fs.state import FileState
+from ckptfs.fs.cache.state import FileState
+from ckptfs.fs.namespace.filesystem import Caller
+from ckptfs.fs.namespace.inodes import ROOT
 from lifecycle_harness import BACKGROUND, Harness, audit
 from test_name_races import name_reads
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import trio
-from ckptfs.fs.config import ConfigError
+from ckptfs.fs.daemon.config import ConfigError
 from ckptfs.peer.config import (
     Address,
     PeersConfig,
@@ -27,8 +27,8 @@ from ckptfs.peer.config import (
     parse_peers,
     ssl_contexts,
 )
-from ckptfs.peer.membership import HEARTBEAT, Membership, Status
-from ckptfs.peer.transport import Request, Response, serve
+from ckptfs.peer.membership.membership import HEARTBEAT, Membership, Status
+from ckptfs.peer.transport.transport import Request, Response, serve
 
 SECRET = b"membership-test-secret-0123456789"
 HEARTBEAT_S = 0.1

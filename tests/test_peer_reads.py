@@ -1,4 +1,4 @@
-"""The fetcher's verdict over several holders (peer/reads.py), without sockets:
+"""The fetcher's verdict over several holders (peer/reads/reads.py), without sockets:
 the connections are stand-ins that answer as a holder's ReadServer would."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 import trio
-from ckptfs.fs.remoteread import WriterMovedOn
-from ckptfs.peer.reads import MOVED_ON, HolderMovedOn, PeerFetcher, PeerReadError
-from ckptfs.peer.transport import Response
+from ckptfs.fs.read.remoteread import WriterMovedOn
+from ckptfs.peer.reads.reads import MOVED_ON, HolderMovedOn, PeerFetcher, PeerReadError
+from ckptfs.peer.transport.transport import Response
 
 
 class Conn:

@@ -18,13 +18,13 @@ from typing import Any
 
 import pytest
 import trio
-from ckptfs.fs.manifest import Manifest
-from ckptfs.peer.auth import AuthError
+from ckptfs.fs.store.manifest import Manifest
 from ckptfs.peer.config import Address
-from ckptfs.peer.identity import NodeIdentities
-from ckptfs.peer.mirror import DROP, RENAME, MirrorServer
-from ckptfs.peer.reads import READ, ReadServer
-from ckptfs.peer.transport import (
+from ckptfs.peer.mirror.mirror import DROP, RENAME, MirrorServer
+from ckptfs.peer.reads.reads import READ, ReadServer
+from ckptfs.peer.transport.auth import AuthError
+from ckptfs.peer.transport.identity import NodeIdentities
+from ckptfs.peer.transport.transport import (
     DEFAULT_LIMITS,
     ConnectionClosed,
     Limits,
@@ -208,8 +208,8 @@ def test_a_node_past_its_hello_has_slots_no_other_address_can_take() -> None:
     limits = Limits(max_handshakes_per_node=2, max_unauthenticated=4)
 
     async def main() -> None:
-        from ckptfs.peer import auth, wire
-        from ckptfs.peer.wire import FrameType
+        from ckptfs.peer.transport import auth, wire
+        from ckptfs.peer.transport.wire import FrameType
 
         async with server_as("srv", nodes, limits=limits) as port:
             stalled = []

@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 import trio
-from ckptfs.peer import auth, wire
-from ckptfs.peer.auth import AuthError
-from ckptfs.peer.transport import (
+from ckptfs.peer.transport import auth, wire
+from ckptfs.peer.transport.auth import AuthError
+from ckptfs.peer.transport.transport import (
     DEFAULT_LIMITS,
     ConnectionClosed,
     Limits,
@@ -37,7 +37,7 @@ from ckptfs.peer.transport import (
     connect,
     serve,
 )
-from ckptfs.peer.wire import FrameType, ProtocolError
+from ckptfs.peer.transport.wire import FrameType, ProtocolError
 
 SECRET = b"test-secret-0123456789abcdef"
 CLUSTER = "cluster-3f2a9c"

@@ -1,6 +1,6 @@
 """Four nodes restore one durable checkpoint: each chunk is read from the
 shared backing store once, by its representative, and served to the others
-from its RAM (peer/represent.py); a representative that dies makes the others
+from its RAM (peer/reads/represent.py); a representative that dies makes the others
 read its chunks from the store themselves; every node gets identical bytes.
 
 The shared backing directory is a counting passthrough FUSE mount
@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ckptfs.fs.chunkstore import chunk_hash
-from ckptfs.fs.config import Config
-from ckptfs.peer.represent import representative
+from ckptfs.fs.daemon.config import Config
+from ckptfs.fs.store.chunkstore import chunk_hash
+from ckptfs.peer.reads.represent import representative
 from conftest import Mount, lines_of_a_killed_peer, wait_for
 from countingfs import CountingMount, counting_mount
 from test_interrupts import go, interrupt, next_line, requests, stop

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ckptfs.fs.manifest import read_manifest
+from ckptfs.fs.store.manifest import read_manifest
 
 
 def test_create_overwrite_and_truncate(mounted):
@@ -351,7 +351,7 @@ def test_concurrent_manifest_rewrites_in_one_directory_keep_its_mtime(tmp_path):
     (the HF crash-case test in CI kept a recovered older checkpoint)."""
     import threading
 
-    from ckptfs.fs.manifest import Manifest, new_id, write_manifest
+    from ckptfs.fs.store.manifest import Manifest, new_id, write_manifest
 
     d = tmp_path / "checkpoint-4"
     d.mkdir()

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 import trio
-from ckptfs.fs.arena import Arena
-from ckptfs.fs.blocking import BackingIO
-from ckptfs.fs.cache import Cache
-from ckptfs.fs.cachedfile import CachedFile
-from ckptfs.fs.chunkstore import ChunkCorrupt, ChunkStore, chunk_hash
-from ckptfs.fs.journal import Journal
-from ckptfs.fs.manifest import Chunk, Manifest, new_id, read_manifest
+from ckptfs.fs.cache.arena import Arena
+from ckptfs.fs.cache.cache import Cache
+from ckptfs.fs.cache.cachedfile import CachedFile
+from ckptfs.fs.cache.journal import Journal
+from ckptfs.fs.store.blocking import BackingIO
+from ckptfs.fs.store.chunkstore import ChunkCorrupt, ChunkStore, chunk_hash
+from ckptfs.fs.store.manifest import Chunk, Manifest, new_id, read_manifest
 
 MiB = 1 << 20
 

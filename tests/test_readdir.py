@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ckptfs.fs import fuseabi as abi
-from ckptfs.fs.filesystem import Caller
-from ckptfs.fs.fuseabi import Op
-from ckptfs.fs.fusesession import Request
-from ckptfs.fs.inodes import ROOT, InodeTable
-from ckptfs.fs.operations import Operations
+from ckptfs.fs.fuse import abi as abi
+from ckptfs.fs.fuse.abi import Op
+from ckptfs.fs.fuse.operations import Operations
+from ckptfs.fs.fuse.session import Request
+from ckptfs.fs.namespace.filesystem import Caller
+from ckptfs.fs.namespace.inodes import ROOT, InodeTable
 from conftest import wait_for
 from lifecycle_harness import Harness
 
@@ -147,8 +147,8 @@ def test_many_plain_files_push_no_manifest_out_of_the_parsed_cache(
     the next listing, and pushes no manifest out."""
     import time
 
-    from ckptfs.fs import manifest as manifest_mod
-    from ckptfs.fs.manifest import Manifest, ParsedManifests, new_id, write_manifest
+    from ckptfs.fs.store import manifest as manifest_mod
+    from ckptfs.fs.store.manifest import Manifest, ParsedManifests, new_id, write_manifest
 
     parsed = ParsedManifests(max_bytes=1 << 20)
     m = Manifest(new_id(), new_id(), 5, 0o644, time.time_ns(), "durable")

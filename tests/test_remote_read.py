@@ -1,4 +1,4 @@
-"""Pipelined reads of a file pending on other nodes (fs/remoteread.py), without sockets."""
+"""Pipelined reads of a file pending on other nodes (fs/read/remoteread.py), without sockets."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import random
 
 import trio
 import trio.testing
-from ckptfs.fs import interrupts, remoteread
-from ckptfs.fs.remoteread import BLOCK, RemoteReader
+from ckptfs.fs.fuse import interrupts
+from ckptfs.fs.read import remoteread
+from ckptfs.fs.read.remoteread import BLOCK, RemoteReader
 
 SIZE = 5 * BLOCK + 12345
 DATA = {v: random.Random(v).randbytes(SIZE) for v in ("v1", "v2")}

@@ -1,4 +1,4 @@
-"""The rename log (fs/renamelog.py): which renames are recorded, and how a
+"""The rename log (fs/store/renamelog.py): which renames are recorded, and how a
 flusher that finds its file's name gone follows the records to it."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import os
 import time
 from pathlib import Path
 
-from ckptfs.fs import renamelog
-from ckptfs.fs.manifest import Manifest
-from ckptfs.fs.renamelog import RENAMED_DIR, RenameLog, needs_record, write_record
-from ckptfs.fs.storedirs import StoreDirs
+from ckptfs.fs.store import renamelog
+from ckptfs.fs.store.manifest import Manifest
+from ckptfs.fs.store.renamelog import RENAMED_DIR, RenameLog, needs_record, write_record
+from ckptfs.fs.store.storedirs import StoreDirs
 from conftest import write_store_manifest
 
 

@@ -15,18 +15,13 @@ from pathlib import Path
 
 import pytest
 import trio
-from ckptfs.fs.arena import Arena
-from ckptfs.fs.blocking import BackingIO
-from ckptfs.fs.chunkstore import ChunkStore, chunk_hash
-from ckptfs.fs.frames import FrameCache, FrameState
-from ckptfs.fs.manifest import Chunk
-from ckptfs.peer.represent import (
-    ChunkServer,
-    RepresentativeFetch,
-    _parse,
-    representative,
-)
-from ckptfs.peer.transport import PeerClient, Request, Response, serve
+from ckptfs.fs.cache.arena import Arena
+from ckptfs.fs.read.frames import FrameCache, FrameState
+from ckptfs.fs.store.blocking import BackingIO
+from ckptfs.fs.store.chunkstore import ChunkStore, chunk_hash
+from ckptfs.fs.store.manifest import Chunk
+from ckptfs.peer.reads.represent import ChunkServer, RepresentativeFetch, _parse, representative
+from ckptfs.peer.transport.transport import PeerClient, Request, Response, serve
 
 SECRET = b"test-secret-0123456789abcdef"
 CLUSTER = "cluster-rep"

@@ -10,7 +10,7 @@ import os
 import subprocess
 
 import pytest
-from ckptfs.fs.manifest import Manifest, read_manifest
+from ckptfs.fs.store.manifest import Manifest, read_manifest
 from conftest import wait_for, write_store_manifest
 
 

@@ -1,4 +1,4 @@
-"""What `ckptfs stat` names to whom (fs/statview.py), section by section,
+"""What `ckptfs stat` names to whom (fs/daemon/statview.py), section by section,
 with cache entries made by hand: no mount, no peers."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ckptfs.fs.cachedfile import CachedFile
-from ckptfs.fs.history import Recent
-from ckptfs.fs.state import FileRole, FileState
-from ckptfs.fs.statview import SECTIONS, StatView, Viewer
+from ckptfs.fs.cache.cachedfile import CachedFile
+from ckptfs.fs.cache.state import FileRole, FileState
+from ckptfs.fs.daemon.statview import SECTIONS, StatView, Viewer
+from ckptfs.fs.store.history import Recent
 from ckptfs.tools.statfmt import not_shown_text
 
 ROOT, ALICE, BOB = 0, 1001, 1002

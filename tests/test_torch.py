@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckptfs.fs.chunkstore import ChunkStore
-from ckptfs.fs.manifest import read_manifest
+from ckptfs.fs.store.chunkstore import ChunkStore
+from ckptfs.fs.store.manifest import read_manifest
 
 
 def state_dict(total_bytes: int, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ckptfs.fs.config import ConfigError, load_config
-from ckptfs.fs.preflight import (
+from ckptfs.fs.daemon.config import ConfigError, load_config
+from ckptfs.fs.daemon.preflight import (
     MountError,
     check_backing,
     check_cache_dir,
@@ -20,11 +20,10 @@ from ckptfs.fs.preflight import (
     is_mounted,
     run_files,
 )
-
-from . import offline_cli
-from .control import ControlError, daemon_pid, find_mount, request, run_dir
-from .offline_cli import OfflineError
-from .statfmt import format_stat
+from ckptfs.tools.control import ControlError, daemon_pid, find_mount, request, run_dir
+from ckptfs.tools.offline import cli as offline_cli
+from ckptfs.tools.offline.cli import OfflineError
+from ckptfs.tools.statfmt import format_stat
 
 MOUNT_TIMEOUT = 60.0
 
@@ -55,7 +54,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     sock, _, log_file = run_files(config.run_dir, mountpoint)
     config.log_file = config.log_file or log_file
     if args.foreground:
-        from ckptfs.fs.daemon import run_daemon, setup_logging
+        from ckptfs.fs.daemon.daemon import run_daemon, setup_logging
 
         setup_logging(config.log_file, foreground=not os.environ.get("CKPTFS_DAEMONIZED"))
         run_daemon(config, mountpoint)

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ckptfs.fs.config import load_config
-from ckptfs.fs.preflight import run_files
+from ckptfs.fs.daemon.config import load_config
+from ckptfs.fs.daemon.preflight import run_files
 
 FSTYPE = "fuse.ckptfs"
 

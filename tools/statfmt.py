@@ -24,7 +24,7 @@ def peaks_line(peak: dict[str, int] | None) -> str:
 
 
 def requests_text(fuse: dict[str, Any]) -> str:
-    """How the FUSE requests were answered (fs/fusesession.py)."""
+    """How the FUSE requests were answered (fs/fuse/session.py)."""
     r = fuse["requests"]
     return (
         f"requests: {r['fast']} answered inline, {r['handled']} by {fuse['workers']} "
@@ -40,7 +40,7 @@ def left_running_text(n: int) -> str:
     return f"  ({n} chunk read(s) of interrupted readers still running for other readers)"
 
 
-# What ``not_shown`` counts (fs/statview.py): singular and plural.
+# What ``not_shown`` counts (fs/daemon/statview.py): singular and plural.
 NOT_SHOWN = {
     "files": ("cached file", "cached files"),
     "taken_over": ("file taken over", "files taken over"),

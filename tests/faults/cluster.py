@@ -28,11 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptfs.fs.preflight import run_files
+from ckptfs.fs.daemon.preflight import run_files
+from ckptfs.tests.faults.netns import Network
 from ckptfs.tools.control import ControlError, request
 from countingfs import CountingMount, counting_mount, is_mounted
-
-from .netns import Network
 
 PEER_PORT = 7070
 MOUNT_TIMEOUT = 90.0

@@ -28,12 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckptfs.fs.manifest import ManifestError, is_tmp_name, read_manifest
-
-from .cluster import Cluster, ClusterError
-from .netns import Network, remove_stale
-from .oracle import Observed, Oracle, digest
-from .workload import OP_BOUND, EventLog, Workload
+from ckptfs.fs.store.manifest import ManifestError, is_tmp_name, read_manifest
+from ckptfs.tests.faults.cluster import Cluster, ClusterError
+from ckptfs.tests.faults.netns import Network, remove_stale
+from ckptfs.tests.faults.oracle import Observed, Oracle, digest
+from ckptfs.tests.faults.workload import OP_BOUND, EventLog, Workload
 
 # Fault kinds and their weights.
 KINDS: dict[str, int] = {
@@ -54,7 +53,7 @@ KINDS: dict[str, int] = {
 }
 SETTLE_TIMEOUT = 60.0  # every node alive again, every flush --wait done
 STORE_STALL_MAX = 6.0
-KERNEL_ATTR_TIMEOUT = 1.1  # the mount's attribute timeout (fs/operations.py), and a margin
+KERNEL_ATTR_TIMEOUT = 1.1  # the mount's attribute timeout (fs/fuse/operations.py), and a margin
 
 
 @dataclass

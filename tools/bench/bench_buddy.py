@@ -35,8 +35,7 @@ import time
 from pathlib import Path
 
 import torch
-
-from .benchlib import (
+from ckptfs.tools.bench.benchlib import (
     GIB,
     MIB,
     BenchError,

@@ -47,8 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ckptfs
-
-from .benchlib import (
+from ckptfs.tools.bench.benchlib import (
     MIB,
     BenchError,
     Rewarm,

@@ -50,11 +50,10 @@ from typing import Any
 
 import torch
 import xxhash
-from ckptfs.fs.chunking import plan_chunks
-from ckptfs.fs.config import load_config
-from ckptfs.fs.manifest import MAGIC
-
-from .benchlib import (
+from ckptfs.fs.daemon.config import load_config
+from ckptfs.fs.store.chunking import plan_chunks
+from ckptfs.fs.store.manifest import MAGIC
+from ckptfs.tools.bench.benchlib import (
     GIB,
     MIB,
     N_LAYER,

@@ -64,12 +64,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from ckptfs.fs.chunkstore import ChunkStore, chunk_hash
-from ckptfs.fs.config import parse_size
-from ckptfs.fs.preflight import run_files
-from ckptfs.tools.control import exchange
-
-from .benchlib import (
+from ckptfs.fs.daemon.config import parse_size
+from ckptfs.fs.daemon.preflight import run_files
+from ckptfs.fs.store.chunkstore import ChunkStore, chunk_hash
+from ckptfs.tools.bench.benchlib import (
     GIB,
     MIB,
     BenchError,
@@ -90,6 +88,7 @@ from .benchlib import (
     table_lines,
     unmount,
 )
+from ckptfs.tools.control import exchange
 
 PIECE = 4 * MIB  # write size of the plain-file baseline and of writes into the mount
 CHUNK = 4 * MIB  # the chunk store's default chunk_size

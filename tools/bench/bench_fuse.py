@@ -51,8 +51,7 @@ from typing import Any, TypeVar
 
 import pyfuse3
 import trio
-
-from .benchlib import (
+from ckptfs.tools.bench.benchlib import (
     GIB,
     MIB,
     UNMOUNT_TIMEOUT,

@@ -68,9 +68,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptfs.fs.operations import ATTR_TIMEOUT
-
-from .benchlib import (
+from ckptfs.fs.fuse.operations import ATTR_TIMEOUT
+from ckptfs.tools.bench.benchlib import (
     BenchError,
     Layout,
     add_shm_workdir_options,

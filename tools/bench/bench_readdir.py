@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .benchlib import (
+from ckptfs.tools.bench.benchlib import (
     MIB,
     BenchError,
     Layout,

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .benchlib import (
+from ckptfs.tools.bench.benchlib import (
     GIB,
     MIB,
     BenchError,

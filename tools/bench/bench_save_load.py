@@ -42,8 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from .benchlib import (
+from ckptfs.tools.bench.benchlib import (
     GIB,
     N_LAYER,
     BenchError,

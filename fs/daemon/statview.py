@@ -1,0 +1,141 @@
+"""What ``ckptfs stat`` tells each caller about files.
+
+Root sees every file. Any other caller (the mount's owner included) sees by
+name only files it owns (``CachedFile.uid``, a history record's owner): a
+file of another user may lie in a directory the caller cannot list, and
+stat must not tell what the mount would not. Those files are counted, not
+named, in ``not_shown`` (their path, file id, version and holders are left
+out). The counts cover the whole mount whatever PATH was asked, so that a
+guessed name given as PATH cannot be confirmed by a count. Whatever names a
+file is filtered: the file lists, the files being flushed, the history,
+mirrors held here and the paths whose mirroring fell back; the remaining
+counters (cache, peer reads, representative fetches) are numbers only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ckptfs.fs.cache.cachedfile import CachedFile
+from ckptfs.fs.cache.state import FileRole, FileState
+from ckptfs.fs.namespace.filesystem import in_subtree
+from ckptfs.fs.store.history import Recent
+
+T = TypeVar("T")
+
+# The sections of the reply that name files; ``not_shown`` has a count for each.
+SECTIONS = (
+    "files",
+    "taken_over",
+    "lost",
+    "flushing",
+    "history",
+    "mirrored_files",
+    "fallback_paths",
+)
+
+
+@dataclass(frozen=True)
+class Viewer:
+    uid: int
+
+    @property
+    def sees_all(self) -> bool:
+        return self.uid == 0
+
+    def sees(self, owner: int) -> bool:
+        return self.sees_all or owner == self.uid
+
+
+class StatView:
+    """Builds the file-naming parts of one stat reply for ``viewer``; counts
+    what it leaves out in ``not_shown``."""
+
+    def __init__(self, viewer: Viewer) -> None:
+        self.viewer = viewer
+        self.not_shown = dict.fromkeys(SECTIONS, 0)
+
+    def _split(self, section: str, items: Iterable[T], owner: Callable[[T], int]) -> list[T]:
+        """The items the viewer sees; the others counted in ``section``."""
+        shown = []
+        for item in items:
+            if self.viewer.sees(owner(item)):
+                shown.append(item)
+            else:
+                self.not_shown[section] += 1
+        return shown
+
+    def _mine(self, files: Iterable[CachedFile], prefix: str) -> list[CachedFile]:
+        return [f for f in files if self.viewer.sees(f.uid) and in_subtree(f.path, prefix)]
+
+    def files(
+        self, linked: list[CachedFile], taken: list[CachedFile], prefix: str
+    ) -> dict[str, list[dict[str, Any]]]:
+        """``files``, ``taken_over`` and ``lost`` under ``prefix``, from every
+        linked file of the mount and every file taken over from a dead buddy."""
+        lost = [f for f in linked if f.state is FileState.LOST]
+        # Others' files are counted in the whole mount: a count that depended
+        # on PATH would confirm a guessed name.
+        every_taken = {f.file_id for f in taken}
+        self._split("files", (f for f in linked if not _shadowed(f, every_taken)), _uid)
+        self._split("taken_over", taken, _uid)
+        self._split("lost", lost, _uid)
+        # A file taken over is listed once, as such, not also as the remote
+        # file this node's mount sees at its path.
+        taken_here = {f.file_id for f in taken if in_subtree(f.path, prefix)}
+        return {
+            "files": [
+                f.describe()
+                for f in sorted(self._mine(linked, prefix), key=_path)
+                if not _shadowed(f, taken_here)
+            ],
+            "taken_over": [{**f.describe(), "origin": f.origin} for f in self._mine(taken, prefix)],
+            "lost": [
+                {"path": f.path, "reason": f.lost_reason}
+                for f in sorted(self._mine(lost, prefix), key=_path)
+            ],
+        }
+
+    def flush(self, stats: dict[str, Any], active: Iterable[CachedFile]) -> dict[str, Any]:
+        """The flusher's stats with ``active`` naming only the viewer's files."""
+        shown = self._split("flushing", active, _uid)
+        return {**stats, "active": sorted(f.path for f in shown)}
+
+    def history(self, recent: Iterable[Recent]) -> list[dict[str, Any]]:
+        return [r.record for r in self._split("history", recent, lambda r: r.uid)]
+
+    def mirroring(
+        self, stats: dict[str, Any], mirrors: Iterable[CachedFile], own_paths: set[str]
+    ) -> dict[str, Any]:
+        """The peer's mirroring stats (peer/node.py ``mirror_stats``) with the
+        mirrors held here and the writer's fallback paths filtered."""
+        if not stats:
+            return stats
+        pending = [f for f in mirrors if f.state is FileState.PENDING]
+        shown = self._split("mirrored_files", pending, _uid)
+        out = dict(stats)
+        if not self.viewer.sees_all:
+            # As peer/mirror/mirror.py lists them: origin node, then path (or id).
+            out["mirrored_files"] = sorted(f"{f.origin}:{f.path or f.file_id}" for f in shown)[:50]
+        writer = stats.get("writer")
+        if writer:
+            # Paths only: shown if a file of the viewer's is at that path now.
+            paths = writer.get("fallback_paths", [])
+            kept = [p for p in paths if self.viewer.sees_all or p in own_paths]
+            self.not_shown["fallback_paths"] += len(paths) - len(kept)
+            out["writer"] = {**writer, "fallback_paths": kept}
+        return out
+
+
+def _uid(f: CachedFile) -> int:
+    return f.uid
+
+
+def _path(f: CachedFile) -> str:
+    return f.path
+
+
+def _shadowed(f: CachedFile, taken_ids: set[str]) -> bool:
+    return f.role is FileRole.REMOTE and f.file_id in taken_ids

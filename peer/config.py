@@ -43,15 +43,16 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-from ckptfs.fs.daemon.config import ConfigError
-from ckptfs.peer.transport.auth import MIN_SECRET_BYTES, one_line
+from ckptfs.fs.configerror import ConfigError
+
+MIN_SECRET_BYTES = 16  # of the cluster secret
 
 DEFAULT_TIMEOUT = 5.0
 DEFAULT_HEARTBEAT = 1.0
 SECTION = "peers"
 KEYS = ("listen", "nodes", "buddies", "secret_file", "timeout", "heartbeat", "tls")
 TLS_KEYS = ("cert", "key", "ca")
-# The same rule as the top-level `node` key (fs/daemon/config.py), so any name that
+# The same rule as the top-level `node` key (fs/config.py), so any name that
 # is valid there is valid here.
 _NODE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _HOSTNAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})")
@@ -344,13 +345,18 @@ def ssl_contexts(config: PeersConfig) -> tuple[ssl.SSLContext, ssl.SSLContext] |
         server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=cafile)
         client = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=cafile)
     except (ssl.SSLError, OSError) as exc:
-        raise ConfigError(f"{SECTION}.tls.ca", f"cannot load {tls.ca}: {one_line(exc)}") from None
+        raise ConfigError(f"{SECTION}.tls.ca", f"cannot load {tls.ca}: {_one_line(exc)}") from None
     if tls.ca is not None:
         server.verify_mode = ssl.CERT_REQUIRED
     for context in (server, client):
         try:
             context.load_cert_chain(tls.cert, tls.key)
         except (ssl.SSLError, OSError) as exc:
-            problem = f"cannot load {tls.cert} with key {tls.key}: {one_line(exc)}"
+            problem = f"cannot load {tls.cert} with key {tls.key}: {_one_line(exc)}"
             raise ConfigError(f"{SECTION}.tls.cert", problem) from None
     return server, client
+
+
+def _one_line(exc: Exception) -> str:
+    """An ssl error's text for a one-line ConfigError."""
+    return " ".join(str(exc).split())[:300]

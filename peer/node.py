@@ -15,12 +15,14 @@ from typing import Any
 
 import trio
 from ckptfs.fs.cache.cache import Cache
+from ckptfs.fs.read.frames import FrameCache
 from ckptfs.fs.store.manifest import Manifest
 from ckptfs.peer.config import PeersConfig, ssl_contexts
 from ckptfs.peer.membership.membership import HEARTBEAT, Membership
 from ckptfs.peer.mirror.mirror import ROUTES as MIRROR_ROUTES
 from ckptfs.peer.mirror.mirror import MirrorClient, MirrorServer
 from ckptfs.peer.reads.reads import READ, LocalRead, PeerFetcher, PeerReadError, ReadServer
+from ckptfs.peer.reads.represent import CHUNK, ChunkServer, Representation, RepresentativeFetch
 from ckptfs.peer.transport.identity import NodeIdentities, source_address
 from ckptfs.peer.transport.transport import PeerClient, Request, Response, serve
 
@@ -160,6 +162,23 @@ class PeerNode:
         ) as client:
             task_status.started(client)
             await trio.sleep_forever()
+
+    def represent(self, frames: FrameCache, alloc: Callable[[], int | None]) -> Representation:
+        """Serve ``chunk`` requests from this node's frames, and fill them from
+        representatives (peer/reads/represent.py). Single-node mounts never
+        call this."""
+        config = self.config
+        fetch = RepresentativeFetch(
+            config.node,
+            live_nodes=self.membership.alive_nodes,
+            addresses={name: (a.host, a.port) for name, a in config.nodes.items()},
+            client=lambda: self.fetcher.client if self.fetcher is not None else None,
+            timeout=config.timeout,
+        )
+        server = ChunkServer(frames, alloc)
+        self.routes[CHUNK] = server.handle
+        frames.remote = fetch.fill
+        return Representation(server, fetch)
 
     def _alive(self, name: str) -> None:
         log.debug("peer %s alive (membership logs the change)", name)

@@ -22,7 +22,7 @@ from typing import Any
 
 import trio
 import trio.testing
-from ckptfs.fs.daemon.config import Config
+from ckptfs.fs.config import Config
 from ckptfs.fs.daemon.core import Core
 from ckptfs.fs.store.blocking import BackingIO, Call
 from ckptfs.fs.store.chunkstore import ChunkStore
@@ -326,7 +326,7 @@ def errno_of(exc: BaseException) -> int:
 
 def audit(core: Core) -> list[str]:
     """Problems with the cache's internal consistency (empty when all is well)."""
-    from ckptfs.fs.cache.state import FileState, PageState
+    from ckptfs.fs.content.state import FileState, PageState
 
     cache = core.cache
     problems = []

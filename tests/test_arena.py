@@ -8,7 +8,7 @@ import sys
 import textwrap
 
 import pytest
-from ckptfs.fs.cache.arena import Arena
+from ckptfs.fs.content.arena import Arena
 
 SLOT = 64 << 10
 
@@ -77,7 +77,7 @@ FULL_TMPFS = textwrap.dedent(
     """
     import errno, os, sys
     from pathlib import Path
-    from ckptfs.fs.cache.arena import Arena
+    from ckptfs.fs.content.arena import Arena
     SLOT = 256 << 10
     arena = Arena(Path(sys.argv[1]) / "arena", 8 * SLOT, SLOT)
     batch = arena.take_prefault_batch(8)

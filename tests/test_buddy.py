@@ -358,7 +358,9 @@ def test_a_buddy_whose_writer_dies_during_its_unmount_waits_for_the_takeover(mou
     files mirrored on n2. The takeover starts during the unmount's wait: the
     unmount waits for it too (it looked at the taken-over files once, at its
     start, then deleted the cache holding their only copies)."""
-    slow = {"CKPTFS_FLUSH_BANDWIDTH": "128KiB", "CKPTFS_CHUNK_SIZE": "256KiB"}
+    # n1 flushes slowly enough (a 300 KiB file takes about 10 s) that all four
+    # are still mirrored on n2 once the last is written.
+    slow = {"CKPTFS_FLUSH_BANDWIDTH": "32KiB", "CKPTFS_CHUNK_SIZE": "256KiB"}
     draining = {"CKPTFS_FLUSH_BANDWIDTH": "1MiB", "CKPTFS_CHUNK_SIZE": "256KiB"}
     nodes = cluster(mounts, tmp_path, ["n1", "n2"], {"n1": slow, "n2": draining})
     n1, n2 = nodes["n1"], nodes["n2"]

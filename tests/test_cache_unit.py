@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import trio
+from ckptfs.fs import interrupts
 from ckptfs.fs.cache import cache as cache_mod
-from ckptfs.fs.cache.arena import Arena
 from ckptfs.fs.cache.cache import MAX_FILE_SIZE, Cache
 from ckptfs.fs.cache.journal import Journal
-from ckptfs.fs.cache.state import FileState
-from ckptfs.fs.fuse import interrupts
-from ckptfs.fs.fuse.interrupts import interruptible
+from ckptfs.fs.content.arena import Arena
+from ckptfs.fs.content.state import FileState
+from ckptfs.fs.interrupts import interruptible
 from ckptfs.fs.store.blocking import BackingIO
 from ckptfs.fs.store.chunkstore import ChunkStore
 from ckptfs.fs.store.manifest import Manifest

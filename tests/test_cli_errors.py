@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from ckptfs.fs.daemon.config import ConfigError, load_config, parse_size
+from ckptfs.fs.config import ConfigError, load_config, parse_size
 from conftest import process_gone
 
 

@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 
 import pytest
 import trio
-from ckptfs.fs.cache.cachedfile import ChunkMap
-from ckptfs.fs.cache.state import FileRole
+from ckptfs.fs.content.cachedfile import ChunkMap
+from ckptfs.fs.content.state import FileRole
 from ckptfs.fs.namespace.filesystem import Caller, FsError
 from ckptfs.fs.namespace.inodes import ROOT
 from ckptfs.fs.store.manifest import Manifest, new_id

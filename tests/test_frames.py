@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from ckptfs.fs.cache.arena import Arena
-from ckptfs.fs.fuse import interrupts
+from ckptfs.fs import interrupts
+from ckptfs.fs.content.arena import Arena
 from ckptfs.fs.read.frames import FrameCache
 from ckptfs.fs.store.blocking import BackingIO
 from ckptfs.fs.store.chunkstore import ChunkStore, chunk_hash

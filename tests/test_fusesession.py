@@ -30,8 +30,8 @@ import trio
 from ckptfs.fs.fuse import abi
 from ckptfs.fs.fuse import mount as fusemount
 from ckptfs.fs.fuse.abi import Op
-from ckptfs.fs.fuse.interrupts import interruptible
 from ckptfs.fs.fuse.session import FuseError, Handlers, Request, Session
+from ckptfs.fs.interrupts import interruptible
 
 TIMEOUT = 20
 DIRS = 1 << 40  # Tiny's inode numbers of directories start here

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from ckptfs.fs.fuse import interrupts
+from ckptfs.fs import interrupts
 from conftest import Mount, wait_for
 from countingfs import CountingMount, counting_mount
 

@@ -1,5 +1,5 @@
 """A saved file's head and tail put into the kernel's page cache at its close
-(fs/fuse/kernelpages.py): what is pushed, when it is not, that changes wait for a
+(fs/namespace/kernelpages.py): what is pushed, when it is not, that changes wait for a
 push, and that every read through the mount afterwards is the file's bytes."""
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from typing import Any
 
 import pytest
 import trio
-from ckptfs.fs.cache.state import FileState
-from ckptfs.fs.fuse.kernelpages import HEAD, TAIL, KernelCache, KernelPages, pieces
+from ckptfs.fs.content.state import FileState
+from ckptfs.fs.fuse.kernelpages import KernelPages
 from ckptfs.fs.namespace.filesystem import Caller, SetAttr
 from ckptfs.fs.namespace.inodes import ROOT
+from ckptfs.fs.namespace.kernelpages import HEAD, TAIL, KernelCache, pieces
 from conftest import Mount
 from lifecycle_harness import Harness
 

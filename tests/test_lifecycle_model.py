@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from ckptfs.fs.cache.state import FileState
+from ckptfs.fs.content.state import FileState
 from ckptfs.fs.namespace.filesystem import Caller, SetAttr
 from ckptfs.fs.namespace.inodes import ROOT
 from hypothesis import HealthCheck, settings

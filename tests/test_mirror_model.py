@@ -24,11 +24,11 @@ from typing import Any
 
 import trio
 import trio.testing
-from ckptfs.fs.cache.arena import Arena
 from ckptfs.fs.cache.cache import Cache
-from ckptfs.fs.cache.cachedfile import CachedFile
 from ckptfs.fs.cache.journal import Journal
-from ckptfs.fs.cache.state import FileState, MirrorState
+from ckptfs.fs.content.arena import Arena
+from ckptfs.fs.content.cachedfile import CachedFile
+from ckptfs.fs.content.state import FileState, MirrorState
 from ckptfs.fs.store.blocking import BackingIO
 from ckptfs.fs.store.chunkstore import ChunkStore
 from ckptfs.fs.store.manifest import Manifest, new_id

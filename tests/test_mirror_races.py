@@ -12,9 +12,9 @@ from typing import Any
 
 import trio
 import trio.testing
-from ckptfs.fs.cache.cachedfile import ChunkMap
-from ckptfs.fs.cache.state import FileRole, FileState, MirrorState, Published
-from ckptfs.fs.store.backing import Backing
+from ckptfs.fs.content.cachedfile import ChunkMap
+from ckptfs.fs.content.state import FileRole, FileState, MirrorState
+from ckptfs.fs.store.backing import Backing, Published
 from ckptfs.fs.store.blocking import BackingIO
 from ckptfs.fs.store.manifest import Manifest
 from ckptfs.peer.mirror import mirror as mirror_mod

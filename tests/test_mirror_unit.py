@@ -13,13 +13,13 @@ from typing import Any
 
 import trio
 import trio.testing
-from ckptfs.fs.cache.arena import Arena
 from ckptfs.fs.cache.cache import Cache
-from ckptfs.fs.cache.cachedfile import CachedFile, ChunkMap
 from ckptfs.fs.cache.journal import Journal, record_of
-from ckptfs.fs.cache.state import FileRole, FileState, MirrorState, PageState, Published
+from ckptfs.fs.content.arena import Arena
+from ckptfs.fs.content.cachedfile import CachedFile, ChunkMap
+from ckptfs.fs.content.state import FileRole, FileState, MirrorState, PageState
 from ckptfs.fs.store import backing as backing_mod
-from ckptfs.fs.store.backing import Backing, PlainFile
+from ckptfs.fs.store.backing import Backing, PlainFile, Published
 from ckptfs.fs.store.blocking import BackingIO
 from ckptfs.fs.store.chunkstore import ChunkStore
 from ckptfs.fs.store.manifest import MAGIC, Chunk, Manifest, new_id, read_manifest

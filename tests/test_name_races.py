@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from ckptfs.fs.cache.state import FileState
+from ckptfs.fs.content.state import FileState
 from ckptfs.fs.namespace.filesystem import Caller, SetAttr
 from ckptfs.fs.namespace.inodes import ROOT
 from ckptfs.fs.store.manifest import MAGIC

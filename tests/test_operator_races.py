@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import trio
-from ckptfs.fs.cache.state import FileState
+from ckptfs.fs.content.state import FileState
 from ckptfs.fs.namespace.filesystem import Caller
 from ckptfs.fs.namespace.inodes import ROOT
 from lifecycle_harness import BACKGROUND, Harness, audit

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import trio
-from ckptfs.fs.daemon.config import ConfigError
+from ckptfs.fs.config import ConfigError
 from ckptfs.peer.config import (
     Address,
     PeersConfig,

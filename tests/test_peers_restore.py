@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ckptfs.fs.daemon.config import Config
+from ckptfs.fs.config import Config
 from ckptfs.fs.store.chunkstore import chunk_hash
 from ckptfs.peer.reads.represent import representative
 from conftest import Mount, lines_of_a_killed_peer, wait_for

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 import trio
-from ckptfs.fs.cache.arena import Arena
 from ckptfs.fs.cache.cache import Cache
-from ckptfs.fs.cache.cachedfile import CachedFile
 from ckptfs.fs.cache.journal import Journal
+from ckptfs.fs.content.arena import Arena
+from ckptfs.fs.content.cachedfile import CachedFile
 from ckptfs.fs.store.blocking import BackingIO
 from ckptfs.fs.store.chunkstore import ChunkCorrupt, ChunkStore, chunk_hash
 from ckptfs.fs.store.manifest import Chunk, Manifest, new_id, read_manifest

@@ -6,7 +6,7 @@ import random
 
 import trio
 import trio.testing
-from ckptfs.fs.fuse import interrupts
+from ckptfs.fs import interrupts
 from ckptfs.fs.read import remoteread
 from ckptfs.fs.read.remoteread import BLOCK, RemoteReader
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from ckptfs.fs.cache.arena import Arena
+from ckptfs.fs.content.arena import Arena
 from ckptfs.fs.read.frames import FrameCache, FrameState
 from ckptfs.fs.store.blocking import BackingIO
 from ckptfs.fs.store.chunkstore import ChunkStore, chunk_hash

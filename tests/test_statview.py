@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ckptfs.fs.cache.cachedfile import CachedFile
-from ckptfs.fs.cache.state import FileRole, FileState
+from ckptfs.fs.content.cachedfile import CachedFile
+from ckptfs.fs.content.state import FileRole, FileState
 from ckptfs.fs.daemon.statview import SECTIONS, StatView, Viewer
 from ckptfs.fs.store.history import Recent
 from ckptfs.tools.statfmt import not_shown_text

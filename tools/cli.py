@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ckptfs.fs.daemon.config import ConfigError, load_config
+from ckptfs.fs.config import ConfigError, load_config
 from ckptfs.fs.daemon.preflight import (
     MountError,
     check_backing,

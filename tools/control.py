@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ckptfs.fs.daemon.config import load_config
+from ckptfs.fs.config import load_config
 from ckptfs.fs.daemon.preflight import run_files
 
 FSTYPE = "fuse.ckptfs"

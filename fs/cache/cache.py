@@ -30,11 +30,11 @@ from contextlib import contextmanager
 from typing import Any
 
 import trio
-from ckptfs.fs.cache.arena import Arena
-from ckptfs.fs.cache.cachedfile import CachedFile, ChunkMap, Page, Snapshot
 from ckptfs.fs.cache.journal import Journal, chunks_of
-from ckptfs.fs.cache.state import FileRole, FileState, MirrorState, PageState
-from ckptfs.fs.fuse.interrupts import Interrupted, interruptible
+from ckptfs.fs.content.arena import Arena
+from ckptfs.fs.content.cachedfile import CachedFile, ChunkMap, Page, Snapshot
+from ckptfs.fs.content.state import FileRole, FileState, MirrorState, PageState
+from ckptfs.fs.interrupts import Interrupted, interruptible
 from ckptfs.fs.read.frames import FrameCache
 from ckptfs.fs.read.readahead import ReadAhead
 from ckptfs.fs.read.readsource import RangeReader

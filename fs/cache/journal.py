@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from ckptfs.fs.cache.cachedfile import Snapshot
-from ckptfs.fs.cache.state import PageState
+from ckptfs.fs.content.cachedfile import Snapshot
+from ckptfs.fs.content.state import PageState
 from ckptfs.fs.store.beneath import check_rel
 from ckptfs.fs.store.chunkstore import is_digest
 from ckptfs.fs.store.manifest import Chunk, is_file_id

@@ -17,9 +17,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ckptfs.fs.cache.arena import Arena
 from ckptfs.fs.cache.cache import Cache
 from ckptfs.fs.cache.journal import Journal
+from ckptfs.fs.content.arena import Arena
 from ckptfs.fs.store.backing import Backing
 from ckptfs.fs.store.manifest import Manifest
 

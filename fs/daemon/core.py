@@ -16,19 +16,19 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from ckptfs.fs.cache.arena import SLOT_SIZE, Arena
 from ckptfs.fs.cache.cache import Cache
-from ckptfs.fs.cache.cachedfile import CachedFile
 from ckptfs.fs.cache.journal import Journal, ThreadRunner
 from ckptfs.fs.cache.recovery import recover
-from ckptfs.fs.cache.state import FileRole, FileState, Published
-from ckptfs.fs.daemon.config import Config
+from ckptfs.fs.config import Config
+from ckptfs.fs.content.arena import SLOT_SIZE, Arena
+from ckptfs.fs.content.cachedfile import CachedFile
+from ckptfs.fs.content.state import FileRole, FileState
+from ckptfs.fs.flush.flusher import Flusher
 from ckptfs.fs.namespace.filesystem import FOLLOWS, FileSystem, in_subtree
-from ckptfs.fs.store.backing import Backing
+from ckptfs.fs.store.backing import Backing, Published
 from ckptfs.fs.store.beneath import make_private_path
 from ckptfs.fs.store.blocking import BackingIO
 from ckptfs.fs.store.chunkstore import ChunkStore
-from ckptfs.fs.store.flusher import Flusher
 from ckptfs.fs.store.history import History
 from ckptfs.fs.store.manifest import Manifest
 from ckptfs.fs.store.retention import fd_audit, file_audit, retain_beneath

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from ckptfs.fs.config import Config
 from ckptfs.fs.daemon import control
-from ckptfs.fs.daemon.config import Config
 from ckptfs.fs.daemon.core import Core
 from ckptfs.fs.daemon.preflight import mount_id, run_files
 from ckptfs.fs.daemon.statview import StatView, Viewer
@@ -31,7 +31,7 @@ from ckptfs.fs.fuse.operations import Operations
 from ckptfs.fs.fuse.session import Session, notify_store
 from ckptfs.fs.fuse.session import describe as describe_session
 from ckptfs.peer.node import PeerNode
-from ckptfs.peer.reads.represent import Representation, attach
+from ckptfs.peer.reads.represent import Representation
 
 GIL_SWITCH_INTERVAL = 0.0001
 
@@ -62,7 +62,7 @@ class Daemon:
             self.core.cache.peer_fetch = self.peer.fetch
         # Durable chunks several nodes want: read from the store by one node.
         self.represent: Representation | None = (
-            attach(self.peer, self.core.cache.frames, self.core.cache.try_alloc)
+            self.peer.represent(self.core.cache.frames, self.core.cache.try_alloc)
             if self.peer is not None
             else None
         )

@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ckptfs.fs.cache.cachedfile import CachedFile
-from ckptfs.fs.cache.state import FileRole, FileState
+from ckptfs.fs.content.cachedfile import CachedFile
+from ckptfs.fs.content.state import FileRole, FileState
 from ckptfs.fs.namespace.filesystem import in_subtree
 from ckptfs.fs.store.history import Recent
 

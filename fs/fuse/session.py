@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import trio
+from ckptfs.fs import interrupts
 from ckptfs.fs.fuse import abi as abi
-from ckptfs.fs.fuse import interrupts
 from ckptfs.fs.fuse.abi import Op
 
 log = logging.getLogger("ckptfs.fuse")

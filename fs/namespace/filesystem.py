@@ -29,17 +29,17 @@ from typing import Any, Protocol, TypeVar
 
 import trio
 from ckptfs.fs.cache.cache import MAX_FILE_SIZE, Cache, FileLost, HoldersFailed
-from ckptfs.fs.cache.cachedfile import CachedFile, Snapshot
 from ckptfs.fs.cache.journal import record_of
-from ckptfs.fs.cache.state import FileRole, FileState, Published
-from ckptfs.fs.daemon.config import Config
-from ckptfs.fs.fuse.interrupts import Interrupted, interruptible
-from ckptfs.fs.fuse.kernelpages import KernelCache, KernelPages, pieces
+from ckptfs.fs.config import Config
+from ckptfs.fs.content.cachedfile import CachedFile, Snapshot
+from ckptfs.fs.content.state import FileRole, FileState
+from ckptfs.fs.flush.flusher import Flusher
+from ckptfs.fs.interrupts import Interrupted, interruptible
 from ckptfs.fs.namespace.inodes import ROOT, Inode, InodeTable
+from ckptfs.fs.namespace.kernelpages import KernelCache, PagePusher, pieces
 from ckptfs.fs.namespace.nslock import NamespaceLock
-from ckptfs.fs.store.backing import Backing, Entry, PlainFile
+from ckptfs.fs.store.backing import Backing, Entry, PlainFile, Published
 from ckptfs.fs.store.chunkstore import ChunkCorrupt
-from ckptfs.fs.store.flusher import Flusher
 from ckptfs.fs.store.manifest import Manifest, new_id
 from ckptfs.fs.store.renamelog import needs_record
 
@@ -204,7 +204,7 @@ class FileSystem:
         self.mirror: BuddyMirror | None = None  # set by the daemon at durability buddy
         # Set by the daemon once the FUSE session exists: pushes a saved
         # file's head and tail into the kernel's page cache at its close.
-        self.kernel_pages: KernelPages | None = None
+        self.kernel_pages: PagePusher | None = None
         cache.unreference = self._unreference
 
     # ----- attributes -------------------------------------------------------

@@ -23,12 +23,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import trio
-from ckptfs.fs.cache.cachedfile import CachedFile
-from ckptfs.fs.fuse.abi import ROOT_ID as ROOT
-from ckptfs.fs.fuse.kernelpages import KernelCache
+from ckptfs.fs.content.cachedfile import CachedFile
+from ckptfs.fs.namespace.kernelpages import KernelCache
 
 if TYPE_CHECKING:
     from ckptfs.fs.store.backing import Entry
+
+ROOT = 1  # FUSE_ROOT_ID: the nodeid the kernel gives the mount's root
 
 
 @dataclass(eq=False, slots=True)

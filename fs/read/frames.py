@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 import trio
-from ckptfs.fs.cache.arena import Arena
-from ckptfs.fs.fuse.interrupts import Interrupted, interruptible
+from ckptfs.fs.content.arena import Arena
+from ckptfs.fs.interrupts import Interrupted, interruptible
 from ckptfs.fs.store.blocking import BackingIO, Call, on_loop_later
 from ckptfs.fs.store.chunkstore import DIRECT_ALIGN, ChunkCorrupt, ChunkStore
 from ckptfs.fs.store.manifest import Chunk

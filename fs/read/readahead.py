@@ -28,12 +28,10 @@ prefetch that fails verification is EIO for the reader that needs that chunk.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -41,12 +39,10 @@ from ckptfs.fs.read.frames import Frame, FrameCache, FrameState
 from ckptfs.fs.read.readsource import chunks_ahead
 
 if TYPE_CHECKING:
-    from ckptfs.fs.cache.cachedfile import CachedFile
+    from ckptfs.fs.content.cachedfile import CachedFile
 
 log = logging.getLogger("ckptfs.readahead")
 MIB = 1 << 20
-MAX_STREAMS = 16  # per file: 8 ranks reading one file, and some room
-NEAR = 4 * MIB  # a read this close to where a stream left off continues it
 MIN_AHEAD = 8 * MIB  # how far ahead a stream reads when it becomes sequential
 MAX_AHEAD = 32 * MIB  # ... and at most, once it has read this much in order
 MAX_INFLIGHT = 4  # chunk reads at once: enough to keep a disk or NFS queue busy
@@ -55,38 +51,6 @@ BUDGET_FRACTION = 8  # unused read-ahead bytes stay under capacity / this
 # stopped, jumped elsewhere, or the file was rewritten) stops counting against
 # the budget; it stays cached as clean bytes until evicted.
 STALE_SECONDS = 10.0
-_ticks = itertools.count()
-
-
-@dataclass
-class Stream:
-    next_off: int  # where this stream's next read is expected
-    run: int = 0  # bytes read in order so far
-    reads: int = 1
-    frontier: int = 0  # read-ahead has been started up to here
-    tick: int = 0  # last use, for replacing the stalest stream
-
-
-@dataclass
-class ReadPattern:
-    """A file's recent read streams (kept on its CachedFile)."""
-
-    streams: list[Stream] = field(default_factory=list)
-
-    def observe(self, off: int, end: int) -> Stream | None:
-        """Record a read of [off, end); the stream it continues, if it is sequential."""
-        for s in self.streams:
-            if s.next_off - NEAR <= off <= s.next_off + NEAR:
-                s.run += end - off
-                s.reads += 1
-                s.next_off = max(s.next_off, end)
-                s.tick = next(_ticks)
-                return s
-        stream = Stream(next_off=end, run=end - off, frontier=end, tick=next(_ticks))
-        if len(self.streams) >= MAX_STREAMS:
-            self.streams.remove(min(self.streams, key=lambda s: s.tick))
-        self.streams.append(stream)
-        return None
 
 
 class ReadAhead:

@@ -26,13 +26,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ckptfs.fs.cache.arena import Arena
+from ckptfs.fs.content.arena import Arena
 from ckptfs.fs.read.frames import FrameCache
 from ckptfs.fs.store.chunkstore import ChunkCorrupt
 from ckptfs.fs.store.manifest import Chunk
 
 if TYPE_CHECKING:
-    from ckptfs.fs.cache.cachedfile import CachedFile
+    from ckptfs.fs.content.cachedfile import CachedFile
 
 log = logging.getLogger("ckptfs.read")
 _ZEROS = memoryview(bytes(1 << 20))

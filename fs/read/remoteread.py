@@ -16,7 +16,7 @@ A read returns a view of a block; callers hand it on before their next await
 (the FUSE reply), and a buffer goes back to the pool only when its block is
 dropped, never while a fetch fills it.
 
-The caller's stop signal (fs/fuse/interrupts.py) ends a read's wait for a block,
+The caller's stop signal (fs/interrupts.py) ends a read's wait for a block,
 whether it fetches the block itself or waits for another task's fetch: a
 hung holder would hold it for up to ``peers.timeout``. A fetch so ended
 leaves its block ABANDONED (the transport returns only once nothing receives
@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
-from ckptfs.fs.fuse.interrupts import Interrupted, interruptible
+from ckptfs.fs.interrupts import Interrupted, interruptible
 
 # (holders, file_id, version, offset, length, buffer) -> verified bytes, received
 # into the buffer; OSError if none serves.

@@ -25,10 +25,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from ckptfs.fs.cache.state import Published
 from ckptfs.fs.store.beneath import held, open_dir, parent_dir, via_fd
 from ckptfs.fs.store.blocking import BackingIO, Call
 from ckptfs.fs.store.manifest import (
@@ -49,6 +49,14 @@ from ckptfs.fs.store.renamelog import RenameLog, needs_record, write_record
 from ckptfs.fs.store.storedirs import CKPTFS_DIR, FENCE, StoreDirs
 
 log = logging.getLogger(__name__)
+
+
+class Published(Enum):
+    """What became of an attempt to write a file's manifest."""
+
+    DONE = "done"
+    STALE = "stale"  # what would have been written is out of date: nothing written
+    NAME_GONE = "name gone"  # the path no longer names this file
 
 
 @dataclass

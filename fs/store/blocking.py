@@ -25,7 +25,7 @@ from contextlib import nullcontext
 from typing import Generic, TypeVar
 
 import trio
-from ckptfs.fs.fuse.interrupts import interruptible as interrupted_by_caller
+from ckptfs.fs.interrupts import interruptible as interrupted_by_caller
 
 T = TypeVar("T")
 log = logging.getLogger("ckptfs.backing")

@@ -53,8 +53,8 @@ from typing import Any
 import trio
 import xxhash
 from ckptfs.fs.cache.cache import MAX_FILE_SIZE, Cache
-from ckptfs.fs.cache.cachedfile import CachedFile, ChunkMap, Snapshot
-from ckptfs.fs.cache.state import FileRole, FileState, MirrorState, PageState
+from ckptfs.fs.content.cachedfile import CachedFile, ChunkMap, Snapshot
+from ckptfs.fs.content.state import FileRole, FileState, MirrorState, PageState
 from ckptfs.fs.store.manifest import Chunk, Manifest, ManifestError
 from ckptfs.peer.transport.auth import one_line
 from ckptfs.peer.transport.dialer import Dialer

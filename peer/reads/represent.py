@@ -28,7 +28,7 @@ mismatch. Any failure (refused, connection lost, no answer within
 ``peers.timeout``, a mismatch) is one INFO line, and the node reads the chunk
 from the backing store itself, as a single node would; the frame stays
 LOADING throughout, so nobody reads the slots before they are verified. The
-caller's stop signal (fs/fuse/interrupts.py) ends a fetch for its own READ at once,
+caller's stop signal (fs/interrupts.py) ends a fetch for its own READ at once,
 as it ends a read from the store: the READ gets EINTR, and whoever waited for
 the same frame reads it again.
 """
@@ -40,11 +40,11 @@ import logging
 import re
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 import xxhash
-from ckptfs.fs.fuse.interrupts import Interrupted, interruptible
+from ckptfs.fs.interrupts import Interrupted, interruptible
 from ckptfs.fs.read.frames import FrameCache
 from ckptfs.fs.store.chunkstore import pieces_hash
 from ckptfs.fs.store.manifest import Chunk
@@ -52,14 +52,11 @@ from ckptfs.peer.transport.dialer import Dialer
 from ckptfs.peer.transport.transport import PeerClient, RemoteError, Request, Response
 from ckptfs.peer.transport.wire import PeerError
 
-if TYPE_CHECKING:
-    from ckptfs.peer.node import PeerNode
-
 log = logging.getLogger("ckptfs.peer.represent")
 
 CHUNK = "chunk"  # the request type
 MAX_PIECE = 8 << 20  # bytes per request, as peer reads (reads.MAX_READ): under the payload limit
-MAX_CHUNK = 256 << 20  # the largest chunk_size a mount accepts (fs/daemon/config.py)
+MAX_CHUNK = 256 << 20  # the largest chunk_size a mount accepts (fs/config.py)
 HASH_THREADS = 2  # hashing of fetched chunks at once (xxhash releases the GIL)
 _DIGEST = re.compile(r"[0-9a-f]{32}")
 
@@ -308,20 +305,3 @@ class Representation:
             "bytes_served": s.bytes_served,
             "serve_failures": s.failures,
         }
-
-
-def attach(peer: PeerNode, frames: FrameCache, alloc: Callable[[], int | None]) -> Representation:
-    """Serve ``chunk`` requests on ``peer`` (a PeerNode) and fill this node's
-    frames from representatives. Single-node mounts never call this."""
-    config = peer.config
-    fetch = RepresentativeFetch(
-        config.node,
-        live_nodes=peer.membership.alive_nodes,
-        addresses={name: (a.host, a.port) for name, a in config.nodes.items()},
-        client=lambda: peer.fetcher.client if peer.fetcher is not None else None,
-        timeout=config.timeout,
-    )
-    server = ChunkServer(frames, alloc)
-    peer.routes[CHUNK] = server.handle
-    frames.remote = fetch.fill
-    return Representation(server, fetch)

@@ -58,13 +58,13 @@ from functools import partial
 from typing import Any, Protocol
 
 import trio
+from ckptfs.peer.config import MIN_SECRET_BYTES
 from ckptfs.peer.transport.wire import FrameType, PeerError
 
 log = logging.getLogger("ckptfs.peer")
 
 HANDSHAKE_TIMEOUT = 5.0
 NONCE_BYTES = 32
-MIN_SECRET_BYTES = 16
 MAX_NODE_NAME = 255  # bytes of UTF-8
 MAX_CLUSTER_HASH = 128  # characters
 LABEL = b"ckptfs-peer-auth-v1"

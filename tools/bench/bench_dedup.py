@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 import xxhash
-from ckptfs.fs.daemon.config import load_config
+from ckptfs.fs.config import load_config
 from ckptfs.fs.store.chunking import plan_chunks
 from ckptfs.fs.store.manifest import MAGIC
 from ckptfs.tools.bench.benchlib import (

@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from ckptfs.fs.daemon.config import parse_size
+from ckptfs.fs.config import parse_size
 from ckptfs.fs.daemon.preflight import run_files
 from ckptfs.fs.store.chunkstore import ChunkStore, chunk_hash
 from ckptfs.tools.bench.benchlib import (

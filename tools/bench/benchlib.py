@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ckptfs.fs.daemon.config import ConfigError, parse_size
+from ckptfs.fs.config import ConfigError, parse_size
 
 if TYPE_CHECKING:
     import torch

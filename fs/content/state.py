@@ -67,14 +67,6 @@ class PageState(Enum):
     SPILLED = "spilled"  # not in RAM: written early to a chunk under memory pressure
 
 
-class Published(Enum):
-    """What became of an attempt to write a file's manifest."""
-
-    DONE = "done"
-    STALE = "stale"  # what would have been written is out of date: nothing written
-    NAME_GONE = "name gone"  # the path no longer names this file
-
-
 def stat_state(
     state: FileState, flushing: bool, mirror: MirrorState, role: FileRole = FileRole.LOCAL
 ) -> str:

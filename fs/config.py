@@ -11,24 +11,15 @@ import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
-
-if TYPE_CHECKING:
-    from ckptfs.peer.config import PeersConfig
+from ckptfs.fs.configerror import ConfigError
+from ckptfs.peer.config import PeersConfig, parse_peers
 
 DURABILITY_LEVELS = ("local", "buddy", "backing")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b|%)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-class ConfigError(ValueError):
-    """A configuration problem; ``str()`` is a one-line message naming the key."""
-
-    def __init__(self, key: str, problem: str) -> None:
-        super().__init__(f"config key '{key}': {problem}")
-        self.key = key
 
 
 def total_ram() -> int:
@@ -277,9 +268,6 @@ def load_config(
     for key, value in values.items():
         attr, parser = SCHEMA[key]
         setattr(config, attr, parser(value, key))
-    # Imported here: ckptfs.peer.config imports ConfigError from this module.
-    from ckptfs.peer.config import parse_peers
-
     config.peers_config = parse_peers(config.peers or None, config.node)
     if "durability" not in values and config.peers_config is not None:
         config.durability = "buddy"  # the default with peers (DESIGN.md)

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import trio
-from ckptfs.fs.cache.state import FileRole, FileState, MirrorState, PageState, stat_state
-from ckptfs.fs.read.readahead import ReadPattern
+from ckptfs.fs.content.readpattern import ReadPattern
+from ckptfs.fs.content.state import FileRole, FileState, MirrorState, PageState, stat_state
 from ckptfs.fs.store.manifest import Chunk, new_id
 
 if TYPE_CHECKING:

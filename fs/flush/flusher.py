@@ -21,10 +21,11 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import trio
-from ckptfs.fs.cache.arena import Arena
 from ckptfs.fs.cache.cache import Cache
-from ckptfs.fs.cache.cachedfile import CachedFile, ChunkMap, Snapshot
-from ckptfs.fs.cache.state import PageState, Published
+from ckptfs.fs.content.arena import Arena
+from ckptfs.fs.content.cachedfile import CachedFile, ChunkMap, Snapshot
+from ckptfs.fs.content.state import PageState
+from ckptfs.fs.store.backing import Published
 from ckptfs.fs.store.blocking import BackingIO, Call, in_background, on_loop_later
 from ckptfs.fs.store.chunking import plan_chunks
 from ckptfs.fs.store.chunkstore import Buffer, ChunkStore, pieces_hash

@@ -90,12 +90,26 @@ def test_a_users_flood_of_idle_connections_delays_neither_root_nor_the_owner(sha
     assert (m.backing / "ckpt.pt").exists()
 
 
+def wait_read_ahead_set(mountpoint: Path, kb: int = 1024, timeout: float = 10.0) -> None:
+    """The daemon sets the mount's read-ahead in the background after the
+    mount, opening sysfs files until the value sticks."""
+    with open("/proc/self/mountinfo") as mountinfo:
+        device = next(line.split()[2] for line in mountinfo if line.split()[4] == str(mountpoint))
+    knob = Path(f"/sys/class/bdi/{device}/read_ahead_kb")
+    deadline = time.monotonic() + timeout
+    while int(knob.read_text()) != kb:
+        assert time.monotonic() < deadline, f"read-ahead of {mountpoint} never reached {kb} KiB"
+        time.sleep(0.05)
+    time.sleep(0.3)  # its last check of the value
+
+
 def test_the_descriptor_limit_at_accept_is_logged_and_the_daemon_goes_on(mounts):
     m = mounts()
     m.mount()
     m.allowed_log.append("control socket: accept failed")
     (m.mnt / "a.bin").write_bytes(b"a" * 5000)
-    m.wait_durable()  # nothing else of the daemon's opens files meanwhile
+    m.wait_durable()
+    wait_read_ahead_set(m.mnt)  # nothing else of the daemon's opens files meanwhile
     assert m.pid is not None
     soft, hard = resource.prlimit(m.pid, resource.RLIMIT_NOFILE)
     in_use = len(os.listdir(f"/proc/{m.pid}/fd"))

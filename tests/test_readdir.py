@@ -29,6 +29,15 @@ REPLY = 4096  # the kernel's smallest READDIRPLUS buffer: about 20 entries
 # ----- the inode table's children index ----------------------------------------------------
 
 
+class NoFiles:
+    """The cache's side of the inode table, for tables of directories only."""
+
+    def inode_attached(self, f: Any, ino: int, unlinked: bool) -> None:
+        raise AssertionError("no file is attached in these tests")
+
+    inode_unlinked = inode_detached = inode_attached
+
+
 def check(table: InodeTable) -> None:
     """The index counts by_name's names per directory; each named inode has
     that name and its parent in the table (its path can be computed); and
@@ -45,7 +54,7 @@ def check(table: InodeTable) -> None:
 
 def test_a_directory_forgotten_before_its_child_goes_with_it() -> None:
     """The kernel's BATCH_FORGET may name a directory before its child."""
-    table = InodeTable(lambda f: None)
+    table = InodeTable(NoFiles())
     d = table.bind(ROOT, "d", "dir", ("dir", 1))
     d.nlookup = 1
     sub = table.bind(d.ino, "sub", "dir", ("dir", 2))
@@ -64,7 +73,7 @@ def test_the_children_index_stays_true_through_every_change() -> None:
     make them; after each the index and the table agree, and once the
     kernel forgets everything only the root is left."""
     rng = random.Random(7)
-    table = InodeTable(lambda f: None)
+    table = InodeTable(NoFiles())
     names = [f"n{i}" for i in range(6)]
     serial = iter(range(10, 1 << 30))
 

@@ -27,10 +27,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 from ckptfs.fs.cache.journal import Journal, chunks_of
+from ckptfs.fs.cache.transitions import move, start
 from ckptfs.fs.content.arena import Arena
 from ckptfs.fs.content.cachedfile import CachedFile, ChunkMap, Page, Snapshot
 from ckptfs.fs.content.state import FileRole, FileState, MirrorState, PageState
@@ -42,6 +43,9 @@ from ckptfs.fs.read.remoteread import RemoteReader, WriterMovedOn
 from ckptfs.fs.store.blocking import BackingIO, Call, on_loop_later, run_cpu
 from ckptfs.fs.store.chunkstore import ChunkStore, chunk_hash
 from ckptfs.fs.store.manifest import Chunk, Manifest, new_id
+
+if TYPE_CHECKING:
+    from ckptfs.fs.store.backing import PlainFile
 
 log = logging.getLogger("ckptfs.cache")
 
@@ -323,7 +327,8 @@ class Cache:
             and self._fetchable(m)
         ):
             # Its holders may be back (or it was a passing failure): try them again.
-            f.state, f.lost_reason = FileState.PENDING, ""
+            move(f, FileState.PENDING)
+            f.lost_reason = ""
         if (
             f is not None
             and f.role is FileRole.REMOTE
@@ -333,7 +338,8 @@ class Cache:
         ):
             # Made durable meanwhile (by its writer or a takeover): read the
             # chunks now, not the holders.
-            f.role, f.state, f.lost_reason = FileRole.LOCAL, FileState.DURABLE, ""
+            move(f, FileState.DURABLE)
+            f.role, f.lost_reason = FileRole.LOCAL, ""
             self.remote.forget(f.file_id)
             f.base, f.chunking, f.holders = (
                 ChunkMap.of(m.chunks, m.size),
@@ -357,16 +363,17 @@ class Cache:
         nf.seq = m.seq
         nf.chunking = m.chunking
         if m.state == "durable":
-            nf.state = FileState.DURABLE
+            start(nf, FileState.DURABLE)
             nf.base = ChunkMap.of(m.chunks, m.size)
         elif self._fetchable(m):
             # Pending elsewhere: its holders serve its bytes (peer reads).
-            nf.role, nf.state = FileRole.REMOTE, FileState.PENDING
+            nf.role = FileRole.REMOTE
+            start(nf, FileState.PENDING)
         else:
             # Pending elsewhere, and no peer of ours holds it: lost here.
             nf.role = FileRole.REMOTE
             holders = ", ".join(m.holders) or "none"
-            nf.state = FileState.LOST
+            start(nf, FileState.LOST)
             nf.lost_reason = (
                 f"not durable yet and no reachable holder has its bytes (holders: {holders})"
             )
@@ -382,7 +389,7 @@ class Cache:
             record["mode"], record.get("uid", 0), record.get("gid", 0), record["mtime_ns"],
             record.get("atime_ns", record["mtime_ns"]), self.page_size,
         )  # fmt: skip
-        f.state = FileState.PENDING
+        start(f, FileState.PENDING)
         f.holders = [self.node]
         f.seq = int(record.get("seq", 0))
         dirty = {int(p): entry for p, entry in record["dirty"].items()}
@@ -432,6 +439,93 @@ class Cache:
         self.retired.discard(f)
         if self.files.get(f.file_id) is f:
             del self.files[f.file_id]
+
+    # ----- what the namespace changes of a file ----------------------------
+    # Names, handles, attributes and inode references: set here, so that
+    # every change of a CachedFile is the cache's (docs/STATES.md).
+    def move_path(self, f: CachedFile, path: str) -> None:
+        """``f`` is now at ``path`` (a rename here or elsewhere, a create)."""
+        f.path = path
+
+    def repath(self, old: str, new: str) -> list[CachedFile]:
+        """Files at or under ``old`` move under ``new`` (a rename here): a
+        dead buddy's file taken over here too, since this node publishes it
+        at its path. The files moved."""
+        moved = []
+        for f in [*self.all_files(), *self.taken_over()]:
+            if f.path == old or f.path.startswith(old + "/"):
+                f.path = new + f.path[len(old) :]
+                moved.append(f)
+        return moved
+
+    def opened(self, f: CachedFile, writable: bool) -> None:
+        """A handle of ``f`` opened (writable: it may write)."""
+        f.handles += 1
+        f.writers += writable
+
+    def closed(self, f: CachedFile, writable: bool) -> None:
+        """A handle of ``f`` closed; the caller then lets it go (let_go) or
+        commits it."""
+        f.handles -= 1
+        f.writers -= writable
+
+    @contextmanager
+    def writing(self, f: CachedFile) -> Iterator[None]:
+        """``f`` counts a writer for as long as the block runs (a copy of a
+        plain file into it): no commit publishes it half copied."""
+        f.writers += 1
+        try:
+            yield
+        finally:
+            f.writers -= 1
+
+    def set_attributes(
+        self,
+        f: CachedFile,
+        *,
+        mode: int | None = None,
+        uid: int | None = None,
+        gid: int | None = None,
+        atime_ns: int | None = None,
+        mtime_ns: int | None = None,
+    ) -> None:
+        """chmod, chown, utimes, a kill of setuid bits: published with the
+        content at the next commit."""
+        if mode is not None:
+            f.mode = mode & 0o7777
+        if uid is not None:
+            f.uid = uid
+        if gid is not None:
+            f.gid = gid
+        if atime_ns is not None:
+            f.atime_ns = atime_ns
+        if mtime_ns is not None:
+            f.mtime_ns = mtime_ns
+
+    def replacing_plain(self, f: CachedFile, plain: PlainFile | None) -> None:
+        """``f`` was copied from the plain file ``plain``, which stays in the
+        store until ``f``'s first publish (None: published, it is gone)."""
+        f.replaces_plain = plain
+
+    def inode_attached(self, f: CachedFile, ino: int, unlinked: bool) -> None:
+        """Inode ``ino`` reads ``f``; an unlinked one keeps ``f`` for the
+        kernel's last uses of it."""
+        f.ino = ino
+        f.orphan_inodes += unlinked
+
+    def inode_unlinked(self, f: CachedFile) -> None:
+        """An inode reading ``f`` lost its name (kept until FORGET)."""
+        f.orphan_inodes += 1
+
+    def inode_detached(self, f: CachedFile) -> None:
+        """An unlinked inode no longer reads ``f`` (FORGET, or it reads
+        another file now): ``f`` goes if nothing else reads it."""
+        f.orphan_inodes -= 1
+        self.let_go(f)
+
+    def flushed(self, f: CachedFile, length: int) -> None:
+        """The flusher stored (or found stored) ``length`` more bytes of ``f``."""
+        f.flushed_bytes += length
 
     def let_go(self, f: CachedFile) -> None:
         """A handle or an inode of ``f`` is gone: an unlinked file nothing can
@@ -515,7 +609,7 @@ class Cache:
         if f.role is FileRole.LOCAL and f.mirror is not MirrorState.NONE:
             self.on_mirror_done(f.mirror_id, "")  # nothing will publish this content
         f.unlinked_while_lost = f.lost  # (retired twice, it stays so)
-        f.state = FileState.UNLINKED
+        move(f, FileState.UNLINKED)
         if self.files.get(f.file_id) is f:
             del self.files[f.file_id]
         self._notify(f)
@@ -551,7 +645,7 @@ class Cache:
             # New content begins (a rewrite of a pending or durable file): the
             # history's times count from here, not from the first version's open.
             f.opened_at, f.closed_at, f.mirrored_at = time.time(), None, None
-        f.state = FileState.MODIFIED
+        move(f, FileState.MODIFIED)
         f.role = FileRole.LOCAL
         if f.mirror is MirrorState.ACKED:
             f.mirror = MirrorState.STREAMING  # the buddy's copy no longer matches
@@ -577,7 +671,8 @@ class Cache:
             f.file_id, f.version, f.path, f.size, f.mode, f.uid, f.gid, f.mtime_ns,
             f.atime_ns, self.page_size,
         )  # fmt: skip
-        old.state, old.role, old.mirror = f.state, f.role, f.mirror
+        start(old, f.state)
+        old.role, old.mirror = f.role, f.mirror
         old.holders, old.chunking = list(f.holders), f.chunking
         old.pages, old.base, old.content_gen = f.pages, f.base, f.content_gen
         old.dirty_count, old.ram_count = f.dirty_count, f.ram_count
@@ -590,7 +685,8 @@ class Cache:
         if old.ram_count:
             self._resident[old] = None
         f.pages, f.base, f.dirty_count, f.ram_count = {}, ChunkMap(), 0, 0
-        f.state, f.role = FileState.MODIFIED, FileRole.LOCAL
+        move(f, FileState.MODIFIED)
+        f.role = FileRole.LOCAL
         old.mirror_id, f.mirror_id, f.mirror = f.mirror_id, new_id(), MirrorState.NONE
         f.content_gen = next(self._gen)
         f.opened_at, f.closed_at, f.flushed_bytes = time.time(), None, 0
@@ -606,7 +702,7 @@ class Cache:
         # A new version: ordered after the one it replaces, and by the time
         # of its close (another node's version of it may be older or newer).
         snap.seq = max(f.seq + 1, time.time_ns())
-        f.state = FileState.PUBLISHING
+        move(f, FileState.PUBLISHING)
         f.publishing = snap
         self._notify(f)
         return snap
@@ -625,7 +721,7 @@ class Cache:
             if old.state is FileState.PENDING:
                 self._retire(old)  # a newer version replaced it
         if f.state is FileState.PUBLISHING and f.content_gen == snap.content_gen:
-            f.state = FileState.PENDING
+            move(f, FileState.PENDING)
             f.holders = list(snap.holders) or [self.node]
             f.closed_at = time.time()
             self._notify(f)
@@ -640,7 +736,7 @@ class Cache:
         # Never published, so recovery would reject it: no need to wait.
         self.journal.drop_later((f.file_id, snap.version))
         if f.state is FileState.PUBLISHING:
-            f.state = FileState.MODIFIED
+            move(f, FileState.MODIFIED)
         if name_gone:
             log.info("%s no longer names the file being written; dropping its content", f.path)
             self._retire(f)
@@ -704,7 +800,7 @@ class Cache:
                 self.dirty_pages -= 1
             elif page.state is PageState.SPILLED:
                 del f.pages[p]
-        f.state = FileState.DURABLE
+        move(f, FileState.DURABLE)
         f.lost_reason = ""
         self.journal.drop_later((f.file_id, f.version))
         self._notify(f)
@@ -844,7 +940,7 @@ class Cache:
 
     def _mirror_changed(self, f: CachedFile) -> None:
         # The content differs from any version committed before.
-        f.state = FileState.MODIFIED
+        move(f, FileState.MODIFIED)
         f.content_gen = next(self._gen)
 
     def _mirror_for(self, origin: str, mid: str, file_id: str, what: str) -> CachedFile:
@@ -939,7 +1035,7 @@ class Cache:
         f.chunking, f.base = manifest.chunking, base
         f.holders = list(manifest.holders)
         f.mirror_floor = floor
-        f.state = FileState.PENDING
+        move(f, FileState.PENDING)
         f.content_gen = next(self._gen)
         f.closed_at = time.time()
         self._notify(f)
@@ -1000,7 +1096,7 @@ class Cache:
                 return
         # Its pages go now: no decision made before (a takeover's look at
         # the manifest) may act on it after.
-        f.state = FileState.UNLINKED
+        move(f, FileState.UNLINKED)
         self.drop(f)
 
     def mirrors_of(self, origin: str) -> list[CachedFile]:
@@ -1305,7 +1401,7 @@ class Cache:
             and f.role is FileRole.REMOTE
             and f.version == failed.version
         ):
-            f.state = FileState.LOST
+            move(f, FileState.LOST)
             f.lost_reason = f"not durable yet and no holder served it: {failed.reason}"
             self._notify(f)
             log.error("%s is lost here: %s", f.path, f.lost_reason)
@@ -1421,7 +1517,8 @@ class Cache:
                     f.unlinked_while_lost = False
                     self._content_here(f)
                 else:
-                    f.state, f.role = FileState.MODIFIED, FileRole.LOCAL
+                    move(f, FileState.MODIFIED)
+                    f.role = FileRole.LOCAL
                 f.lost_reason, f.base = "", ChunkMap()
                 self._notify(f)
             else:

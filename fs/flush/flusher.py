@@ -392,7 +392,7 @@ class Flusher:
                 self._window.append((time.monotonic(), written))
                 self.io.wrote()  # room in the store again, if it was full
             out[i] = Chunk(off, length, digest)
-            snap.file.flushed_bytes += length
+            self.cache.flushed(snap.file, length)
 
     async def _store_small(self, snap: Snapshot, reader: SnapshotReader) -> tuple[str, list[Chunk]]:
         """Plan, hash and store a small file in one backing-store call: for a
@@ -423,7 +423,7 @@ class Flusher:
             self.bytes_stored += written
             self.bytes_deduped += chunk.length - written
             self._window.append((time.monotonic(), written))
-            snap.file.flushed_bytes += chunk.length
+            self.cache.flushed(snap.file, chunk.length)
         return kind, [chunk for chunk, _ in done]
 
     async def _in_thread(self, snap: Snapshot, fn: Callable[[], Any], what: str) -> Any:

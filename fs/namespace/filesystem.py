@@ -182,7 +182,7 @@ class FileSystem:
         self.backing = backing
         self.cache = cache
         self.flusher = flusher
-        self.inodes = InodeTable(cache.let_go)
+        self.inodes = InodeTable(cache)
         self.handles: dict[int, Handle] = {}
         self.dir_handles: dict[int, tuple[int, list[tuple[str, Entry]] | None]] = {}
         self._fh = itertools.count(1)
@@ -631,7 +631,7 @@ class FileSystem:
             repathed = self._repath(old_path, new_path)
             for f in stale:
                 if not f.unlinked:
-                    f.path = new_path
+                    self.cache.move_path(f, new_path)
                     repathed.append(f)
         return [f for f in repathed if (f.file_id, f.version) not in records]
 
@@ -717,14 +717,7 @@ class FileSystem:
                           "crash before it is durable loses it", record["path"], exc)  # fmt: skip
 
     def _repath(self, old: str, new: str) -> list[CachedFile]:
-        moved = []
-        # A dead buddy's file taken over here is published at its path by
-        # this node: it follows a rename too, or its only copy is dropped.
-        for f in [*self.cache.all_files(), *self.cache.taken_over()]:
-            if _at_or_under(f.path, old):
-                f.path = new + f.path[len(old) :]
-                moved.append(f)
-        return moved
+        return self.cache.repath(old, new)
 
     # ----- files ------------------------------------------------------------
     def _open_handle(
@@ -736,8 +729,7 @@ class FileSystem:
         if inode.kernel_cache is KernelCache.EMPTY:
             inode.kernel_cache = KernelCache.ANY  # this handle may let the kernel cache pages
         if f is not None:
-            f.handles += 1
-            f.writers += writable
+            self.cache.opened(f, writable)
         return fh
 
     @_changes_names(0)
@@ -757,15 +749,16 @@ class FileSystem:
                 async with self.ns_lock.shared(
                     lambda: self.inodes.child_path(parent, name)
                 ) as path:
-                    f.path = path
+                    self.cache.move_path(f, path)
                     # One backing-store call: the parent's setgid, the manifest, its entry.
-                    entry, f.gid = await self.backing.create_manifest(
+                    entry, gid = await self.backing.create_manifest(
                         path,
                         self._manifest(f, f.version),
                         caller.uid,
                         caller.gid,
                         self._dir_ino(parent),
                     )
+                    self.cache.set_attributes(f, gid=gid)  # the parent's, if setgid
         except BaseException:
             self.cache.unlink(f)  # nothing publishes it (a waiting commit sees UNLINKED)
             raise
@@ -1060,8 +1053,8 @@ class FileSystem:
                     await self._copy_plain(f, path, plain)
                 if inode.unlinked:  # removed or renamed over while it was copied
                     raise FsError(errno.ESTALE, f"{path}: its name was removed")
-                f.mtime_ns, f.atime_ns = st.st_mtime_ns, st.st_atime_ns
-                f.replaces_plain = plain  # the plain file stays until the first publish
+                self.cache.set_attributes(f, mtime_ns=st.st_mtime_ns, atime_ns=st.st_atime_ns)
+                self.cache.replacing_plain(f, plain)
                 inode.kind = "file"
                 self.inodes.attach(inode, f)
                 inode.ident = ("file", f.file_id)
@@ -1071,8 +1064,7 @@ class FileSystem:
         return f
 
     async def _copy_plain(self, f: CachedFile, path: str, plain: PlainFile) -> None:
-        f.writers += 1
-        try:
+        with self.cache.writing(f):
             fd = await self.backing.open_plain(path, plain.matches)
             try:
                 off = 0
@@ -1084,8 +1076,6 @@ class FileSystem:
                     off += len(data)
             finally:
                 await self.backing.close_fd(fd)
-        finally:
-            f.writers -= 1
 
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         handle = self.handles[fh]
@@ -1221,7 +1211,7 @@ class FileSystem:
         if off + len(data) > MAX_FILE_SIZE:
             raise FsError(errno.EFBIG, f"{f.path}: beyond the maximum file size")
         if handle.uid != 0 and kills_privileges(f.mode):
-            f.mode = without_privileges(f.mode)  # published with the content at close
+            self.cache.set_attributes(f, mode=without_privileges(f.mode))  # published at close
         try:
             return await self.cache.write(f, off, data)
         except FileLost as exc:
@@ -1305,7 +1295,7 @@ class FileSystem:
         del self.handles[fh]
         inode.opens -= 1
         if f is not None:
-            f.handles -= 1
+            self.cache.closed(f, writable=False)
             self.cache.let_go(f)
         if not inode.nlookup and not inode.opens:
             self.forget(inode.ino, 0)
@@ -1322,8 +1312,7 @@ class FileSystem:
             await self.backing.close_fd(handle.plain_fd)
         f = handle.file
         if f is not None:
-            f.handles -= 1
-            f.writers -= handle.writable
+            self.cache.closed(f, handle.writable)
             try:
                 if handle.writable and not f.writers and f.modified:
                     await self.commit(f)
@@ -1469,7 +1458,7 @@ class FileSystem:
                 before=before,
             )
             if result is Published.DONE:
-                f.replaces_plain = None
+                self.cache.replacing_plain(f, None)
                 self.backing.io.wrote()  # room in the store again, if it was full
             return result
 
@@ -1491,7 +1480,7 @@ class FileSystem:
                 return False
             if f.path != old:
                 return True
-            f.path = new
+            self.cache.move_path(f, new)
         log.info("%s was renamed to %s on another node: published there", old, new)
         if f.role is FileRole.LOCAL and f.state is FileState.PENDING:
             # Recovery after a crash looks where the journal record says.
@@ -1542,22 +1531,19 @@ class FileSystem:
             if f.role is FileRole.REMOTE and change.size:
                 raise FsError(errno.EBUSY, f"{f.path}: pending on another node; truncate it to 0")
             if caller.uid != 0 and kills_privileges(f.mode):
-                f.mode = without_privileges(f.mode)
+                self.cache.set_attributes(f, mode=without_privileges(f.mode))
             await self.cache.truncate(f, change.size)
         owner_changed = False
         if change.uid is not None or change.gid is not None:
             uid = f.uid if change.uid is None else change.uid
             gid = f.gid if change.gid is None else change.gid
             owner_changed = (uid, gid) != (f.uid, f.gid)
-            f.uid, f.gid = uid, gid
+            self.cache.set_attributes(f, uid=uid, gid=gid)
             if owner_changed and change.mode is None and kills_privileges(f.mode):
-                f.mode = without_privileges(f.mode)  # as chown(2) does on Linux
-        if change.mode is not None:
-            f.mode = change.mode & 0o7777
-        if change.atime_ns is not None:
-            f.atime_ns = change.atime_ns
-        if change.mtime_ns is not None:
-            f.mtime_ns = change.mtime_ns
+                self.cache.set_attributes(f, mode=without_privileges(f.mode))  # as chown(2)
+        self.cache.set_attributes(
+            f, mode=change.mode, atime_ns=change.atime_ns, mtime_ns=change.mtime_ns
+        )
         if not inode.unlinked and not f.unlinked:
             if f.modified:
                 if not f.writers:

@@ -18,9 +18,8 @@ file: its next open reads the name again.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 from ckptfs.fs.content.cachedfile import CachedFile
@@ -30,6 +29,18 @@ if TYPE_CHECKING:
     from ckptfs.fs.store.backing import Entry
 
 ROOT = 1  # FUSE_ROOT_ID: the nodeid the kernel gives the mount's root
+
+
+class FileRefs(Protocol):
+    """What the inode table tells the cache (fs/cache/cache.py): which
+    inodes read a file, so that a removed file lives exactly as long as the
+    kernel may still use it."""
+
+    def inode_attached(self, f: CachedFile, ino: int, unlinked: bool) -> None: ...
+
+    def inode_unlinked(self, f: CachedFile) -> None: ...
+
+    def inode_detached(self, f: CachedFile) -> None: ...
 
 
 @dataclass(eq=False, slots=True)
@@ -61,9 +72,9 @@ class Inode:
 
 
 class InodeTable:
-    def __init__(self, let_go: Callable[[CachedFile], None]) -> None:
+    def __init__(self, refs: FileRefs) -> None:
         # Called when a file loses an orphaned inode (it may be dropped now).
-        self._let_go = let_go
+        self._refs = refs  # the cache: it counts the inodes that read a file
         self._next = ROOT + 1
         self.by_ino: dict[int, Inode] = {ROOT: Inode(ROOT, ROOT, "", "dir", ("root", 0), 1)}
         self.by_name: dict[tuple[int, str], int] = {}
@@ -115,11 +126,9 @@ class InodeTable:
             return
         inode.file = f
         if f is not None:
-            f.ino = inode.ino
-            f.orphan_inodes += inode.unlinked
+            self._refs.inode_attached(f, inode.ino, inode.unlinked)
         if old is not None and inode.unlinked:
-            old.orphan_inodes -= 1
-            self._let_go(old)
+            self._refs.inode_detached(old)
 
     def detach(self, parent: int, name: str) -> Inode | None:
         """Remove a name (unlink, rmdir, replaced); the inode lives on while referenced."""
@@ -172,7 +181,7 @@ class InodeTable:
         if not inode.unlinked:
             inode.unlinked = True
             if inode.file is not None:
-                inode.file.orphan_inodes += 1  # kept for the kernel's last uses
+                self._refs.inode_unlinked(inode.file)  # kept for the kernel's last uses
         self._free_unused(inode)
 
     def _needed(self, inode: Inode) -> bool:

@@ -967,7 +967,7 @@ class MirrorServer:
             if f.path != at:
                 continue  # renamed while we looked
             if path is not None:
-                f.path = path
+                self.cache.move_path(f, path)
             return m
         raise OSError(
             errno.EAGAIN, f"{f.path} was renamed {PATH_LOOKS} times while its takeover looked"

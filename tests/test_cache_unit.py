@@ -11,8 +11,9 @@ import pytest
 import trio
 from ckptfs.fs import interrupts
 from ckptfs.fs.cache import cache as cache_mod
-from ckptfs.fs.cache.cache import MAX_FILE_SIZE, Cache
+from ckptfs.fs.cache.cache import Cache
 from ckptfs.fs.cache.journal import Journal
+from ckptfs.fs.cache.writing import MAX_FILE_SIZE
 from ckptfs.fs.content.arena import Arena
 from ckptfs.fs.content.state import FileState
 from ckptfs.fs.interrupts import interruptible

@@ -28,8 +28,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import trio
-from ckptfs.fs.cache.cache import MAX_FILE_SIZE, Cache, FileLost, HoldersFailed
+from ckptfs.fs.cache.cache import Cache
+from ckptfs.fs.cache.errors import FileLost, HoldersFailed
 from ckptfs.fs.cache.journal import record_of
+from ckptfs.fs.cache.writing import MAX_FILE_SIZE
 from ckptfs.fs.config import Config
 from ckptfs.fs.content.cachedfile import CachedFile, Snapshot
 from ckptfs.fs.content.state import FileRole, FileState

@@ -52,7 +52,8 @@ from typing import Any
 
 import trio
 import xxhash
-from ckptfs.fs.cache.cache import MAX_FILE_SIZE, Cache
+from ckptfs.fs.cache.cache import Cache
+from ckptfs.fs.cache.writing import MAX_FILE_SIZE
 from ckptfs.fs.content.cachedfile import CachedFile, ChunkMap, Snapshot
 from ckptfs.fs.content.state import FileRole, FileState, MirrorState, PageState
 from ckptfs.fs.store.manifest import Chunk, Manifest, ManifestError

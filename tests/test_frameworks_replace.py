@@ -176,7 +176,7 @@ def test_replace_while_other_processes_load(mounts, tmp_path, record_property):
     ]
     if fuse["opens_waited_for_rename"]:  # when an open met a rename in flight (most runs)
         line = f"{fuse['opens_waited_for_rename']} open(s) waited for a rename onto their name"
-        assert line in a.cli("stat", str(a.mnt)).stdout
+        assert line in a.cli("stat", str(a.mnt), "--verbose").stdout
     record_property("replace_race", report)
     print("\n" + "\n".join(report))
     check_race(on_plain)

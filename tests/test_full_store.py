@@ -46,7 +46,7 @@ def test_a_full_store_is_said_and_a_forced_umount_keeps_its_bytes_for_the_next_m
     wait_for(lambda: m.stat()["backing_health"] == "full", 60, "the store said full")
     error = m.stat()["backing_error"]
     assert error["errno"] == "ENOSPC" and "big.pt" in error["error"], error
-    assert "health full (ENOSPC: " in m.cli("stat", str(m.mnt)).stdout
+    assert "store full (ENOSPC: " in m.cli("stat", str(m.mnt)).stdout
     start = time.monotonic()
     out = m.cli("umount", str(m.mnt), "--force", timeout=60).stdout
     assert time.monotonic() - start < 15, out

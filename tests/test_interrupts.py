@@ -311,7 +311,7 @@ def test_ctrl_c_ends_a_read_waiting_for_a_hung_store(store, mounts):
         assert requests(m)["interrupts"] >= 3
         # The first reader's read goes on for the patient one, and shows.
         assert m.stat()["cache"]["chunk_reads_left_running"] >= 1
-        assert "still running for other readers" in m.cli("stat", str(m.mnt)).stdout
+        assert "still running for other readers" in m.cli("stat", str(m.mnt), "-v").stdout
         store.proc.send_signal(signal.SIGCONT)
         assert next_line(patient) == "read " + hashlib.sha256(data).hexdigest()
     assert m.stat()["cache"]["chunk_reads_failed"] == 0  # an interrupt is no failure

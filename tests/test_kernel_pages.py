@@ -295,7 +295,7 @@ def test_a_save_leaves_its_head_and_tail_cached_and_every_later_read_is_true(mou
     tail = (size - TAIL) // PAGE * PAGE
     assert pushed == {"files": 1, "bytes": HEAD + size - tail, "refused": 0}
     shown = f"page cache at their close: 1 file(s), {(HEAD + size - tail) >> 10} KiB"
-    assert shown in mounted.cli("stat", str(mnt)).stdout
+    assert shown in mounted.cli("stat", str(mnt), "--verbose").stdout
     want = set(range(HEAD // PAGE)) | set(range(tail // PAGE, -(-size // PAGE)))
     # No page but those (nothing read the file), and those there: all of
     # them but what the kernel may have reclaimed meanwhile (a clean page

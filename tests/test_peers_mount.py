@@ -54,7 +54,8 @@ def test_two_nodes_see_each_other_and_notice_a_death(mounts, tmp_path):
     p = peers_of(n1)["n2"]
     assert p["address"] == f"127.0.0.1:{ports['n2']}" and p["buddy"] is True
     assert p["last_heartbeat_age"] is not None and p["last_heartbeat_age"] < 5
-    assert "peer:    n2 127.0.0.1" in n1.cli("stat", str(n1.mnt)).stdout
+    assert "peers:        n2 alive (buddy)" in n1.cli("stat", str(n1.mnt)).stdout
+    assert "peer n2:      127.0.0.1" in n1.cli("stat", str(n1.mnt), "--verbose").stdout
     # With peers, durability is buddy by default: a closed file is held by both.
     (n1.mnt / "x.bin").write_bytes(b"x" * 1000)
     assert n1.stat()["durability"] == "buddy"

@@ -229,7 +229,7 @@ def cmd_stat(args: argparse.Namespace) -> int:
         else:
             if args.watch:
                 print("\033[H\033[J", end="")
-            print(format_stat(reply))
+            print(format_stat(reply, verbose=args.verbose))
         if not args.watch:
             return 0
         time.sleep(args.interval)
@@ -305,9 +305,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help=CONFIG_HELP)
     p.set_defaults(func=cmd_umount)
 
-    p = sub.add_parser("stat", help="cache, per-file state, flush and backing-store status")
+    p = sub.add_parser(
+        "stat",
+        help="health, bytes not yet durable and when they will be, backpressure, peers, "
+        "lost files and recent checkpoints",
+    )
     p.add_argument("path", nargs="?")
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "-v", "--verbose", action="store_true", help="also the internals, and every file"
+    )
+    p.add_argument("--json", action="store_true", help="everything, as JSON")
     p.add_argument("--watch", action="store_true", help="refresh until interrupted")
     p.add_argument("--interval", type=float, default=1.0)
     p.add_argument("--config", help=CONFIG_HELP)

@@ -24,7 +24,7 @@ from ckptfs.fs.config import Config
 from ckptfs.fs.daemon import control
 from ckptfs.fs.daemon.core import Core
 from ckptfs.fs.daemon.preflight import mount_id, run_files
-from ckptfs.fs.daemon.statview import StatView, Viewer
+from ckptfs.fs.daemon.statview import StatView, Viewer, daemon_health, progress
 from ckptfs.fs.fuse.kernelpages import KernelPages
 from ckptfs.fs.fuse.mount import MountFailed, mount, unmount
 from ckptfs.fs.fuse.operations import Operations
@@ -249,6 +249,7 @@ class Daemon:
         files = view.files(core.fs.files_under(""), core.taken_over(""), str(req.get("path", "")))
         own_paths = {f.path for f in core.cache.all_files() if f.uid == peer.uid}
         mirroring = self.peer.mirror_stats() if self.peer else {}
+        flush = view.flush(core.flusher.stats(), core.flusher.active)
         return {
             "ok": True,
             "mountpoint": str(self.mountpoint),
@@ -264,14 +265,15 @@ class Daemon:
                 "prefaulted": core.prefaulted,
                 "prefault": core.prefault.value,
             },
-            "flush": view.flush(core.flusher.stats(), core.flusher.active),
+            "flush": flush,
             "fuse": {
                 **core.fs.describe(),
                 **describe_session(self.session),
             },
+            "daemon_health": daemon_health(self._terminating, flush["failing"]),
             "backing_health": core.io.health,
             # The error behind a health of full or failing (errno, what, when).
-            "backing_error": core.io.describe_trouble(),
+            "backing_error": view.backing_error(core.io.describe_trouble()),
             "backing_calls": {
                 "total": core.io.calls,
                 "slow": core.io.slow_calls,
@@ -280,6 +282,10 @@ class Daemon:
             # "taken_over": dead buddies' files this node took over and is
             # making durable.
             **files,
+            # Bytes by state, and the time until they are durable (whole mount).
+            "progress": progress(
+                [*core.fs.files_under(""), *core.taken_over("")], flush["progress_throughput"]
+            ),
             "peers": self.peer.stats() if self.peer else [],
             "peer_reads": self.peer.counters() if self.peer else {},
             "mirroring": view.mirroring(mirroring, core.cache.mirrors.values(), own_paths),

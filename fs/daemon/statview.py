@@ -8,22 +8,30 @@ named, in ``not_shown`` (their path, file id, version and holders are left
 out). The counts cover the whole mount whatever PATH was asked, so that a
 guessed name given as PATH cannot be confirmed by a count. Whatever names a
 file is filtered: the file lists, the files being flushed, the history,
-mirrors held here and the paths whose mirroring fell back; the remaining
-counters (cache, peer reads, representative fetches) are numbers only.
+mirrors held here and the paths whose mirroring fell back; the message of
+the store's last error (it names the file whose write failed) is reduced to
+its errno's text. The remaining counters (cache, peer reads, representative
+fetches, ``progress``) are numbers only, over the whole mount.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ckptfs.fs.content.cachedfile import CachedFile
-from ckptfs.fs.content.state import FileRole, FileState
+from ckptfs.fs.content.state import FileRole, FileState, stat_state
 from ckptfs.fs.namespace.filesystem import in_subtree
 from ckptfs.fs.store.history import Recent
 
 T = TypeVar("T")
+
+# The per-file states (stat_state) that ``progress`` sums: this node's files
+# not yet durable, and the durable files in its cache.
+PROGRESS_STATES = ("dirty", "mirrored", "flushing", "durable")
 
 # The sections of the reply that name files; ``not_shown`` has a count for each.
 SECTIONS = (
@@ -103,6 +111,15 @@ class StatView:
         shown = self._split("flushing", active, _uid)
         return {**stats, "active": sorted(f.path for f in shown)}
 
+    def backing_error(self, trouble: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The store's last error (BackingIO.describe_trouble); its message
+        names the file that failed, so others see the errno's text only."""
+        if trouble is None or self.viewer.sees_all:
+            return trouble
+        number = getattr(errno, str(trouble.get("errno")), None)
+        text = os.strerror(number) if isinstance(number, int) else "error"
+        return {**trouble, "error": text}
+
     def history(self, recent: Iterable[Recent]) -> list[dict[str, Any]]:
         return [r.record for r in self._split("history", recent, lambda r: r.uid)]
 
@@ -127,6 +144,43 @@ class StatView:
             self.not_shown["fallback_paths"] += len(paths) - len(kept)
             out["writer"] = {**writer, "fallback_paths": kept}
         return out
+
+
+def progress(files: Iterable[CachedFile], rate: float) -> dict[str, Any]:
+    """Files and bytes by state (PROGRESS_STATES), and how long until the
+    bytes not yet durable are, at ``rate`` (bytes/s of files flushed,
+    measured): None when nothing was flushed lately, as no time can be told.
+    Over whole files of the whole mount, whoever asks and whatever PATH (a
+    count that depended on PATH would confirm a guessed name); files
+    written elsewhere (remote) are left out, as lost and unlinked ones are."""
+    out: dict[str, Any] = {state: {"files": 0, "bytes": 0} for state in PROGRESS_STATES}
+    out["flushing"]["flushed"] = 0
+    for f in files:
+        state = stat_state(f.state, f.flushing is not None, f.mirror, f.role)
+        if state not in out:
+            continue
+        out[state]["files"] += 1
+        out[state]["bytes"] += f.size
+        if state == "flushing":
+            out[state]["flushed"] += min(f.flushed_bytes, f.size)
+    flushing = out["flushing"]
+    to_store = (
+        out["dirty"]["bytes"] + out["mirrored"]["bytes"] + flushing["bytes"] - flushing["flushed"]
+    )
+    out["to_store"] = to_store
+    out["rate"] = rate
+    out["eta_seconds"] = 0.0 if not to_store else round(to_store / rate, 1) if rate else None
+    return out
+
+
+def daemon_health(terminating: bool, flush_failing: int) -> str:
+    """``ok``, or what an operator must know of the daemon itself: it is
+    unmounting, or its flushes fail (the log says why)."""
+    if terminating:
+        return "unmounting"
+    if flush_failing:
+        return "flush failing"
+    return "ok"
 
 
 def _uid(f: CachedFile) -> int:

@@ -45,6 +45,34 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+# Throughputs are measured over this many seconds: long enough to span
+# several chunks under a bandwidth cap, short enough to follow a change.
+RATE_WINDOW = 10.0
+
+
+class Rate:
+    """Bytes per second over the last ``window`` seconds (monotonic clock).
+    Samples older than the window are dropped as new ones come, so an idle
+    daemon nobody asks keeps no history."""
+
+    def __init__(self, window: float = RATE_WINDOW) -> None:
+        self.window = window
+        self._samples: deque[tuple[float, int]] = deque()
+
+    def add(self, nbytes: int) -> None:
+        now = time.monotonic()
+        self._samples.append((now, nbytes))
+        self._trim(now)
+
+    def per_second(self) -> float:
+        self._trim(time.monotonic())
+        return sum(n for _, n in self._samples) / self.window
+
+    def _trim(self, now: float) -> None:
+        while self._samples and self._samples[0][0] < now - self.window:
+            self._samples.popleft()
+
+
 class Bandwidth:
     """A pacing limiter: at most ``rate`` bytes/s on average (0 = unlimited)."""
 
@@ -190,7 +218,10 @@ class Flusher:
         self.files_durable = 0
         self.failures = 0
         self._consecutive_failures = 0
-        self._window: deque[tuple[float, int]] = deque()
+        # Bytes written to the store; and bytes of files flushed, written or
+        # found there already (dedup): the rate at which flushes progress.
+        self._written = Rate()
+        self._progressed = Rate()
 
     def enqueue(self, f: CachedFile) -> None:
         """Queue ``f`` once. A file being flushed right now is not queued a second
@@ -389,10 +420,11 @@ class Flusher:
             self.bytes_stored += written
             self.bytes_deduped += length - written
             if written:
-                self._window.append((time.monotonic(), written))
+                self._written.add(written)
                 self.io.wrote()  # room in the store again, if it was full
             out[i] = Chunk(off, length, digest)
             self.cache.flushed(snap.file, length)
+            self._progressed.add(length)
 
     async def _store_small(self, snap: Snapshot, reader: SnapshotReader) -> tuple[str, list[Chunk]]:
         """Plan, hash and store a small file in one backing-store call: for a
@@ -422,8 +454,9 @@ class Flusher:
             self.bytes_hashed += chunk.length
             self.bytes_stored += written
             self.bytes_deduped += chunk.length - written
-            self._window.append((time.monotonic(), written))
+            self._written.add(written)
             self.cache.flushed(snap.file, chunk.length)
+            self._progressed.add(chunk.length)
         return kind, [chunk for chunk, _ in done]
 
     async def _in_thread(self, snap: Snapshot, fn: Callable[[], Any], what: str) -> Any:
@@ -441,12 +474,14 @@ class Flusher:
             if not call.abandoned():
                 self.cache.thread_ended(snap)
 
-    def throughput(self, window: float = 10.0) -> float:
-        """Bytes/s written to the backing store over the last ``window`` seconds."""
-        now = time.monotonic()
-        while self._window and self._window[0][0] < now - window:
-            self._window.popleft()
-        return sum(n for _, n in self._window) / window
+    def throughput(self) -> float:
+        """Bytes/s written to the backing store over the last RATE_WINDOW seconds."""
+        return self._written.per_second()
+
+    def progress_throughput(self) -> float:
+        """Bytes/s of files flushed (stored, or already in the store) over the
+        last RATE_WINDOW seconds: what the time until durable is reckoned from."""
+        return self._progressed.per_second()
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -459,5 +494,8 @@ class Flusher:
             "throughput": self.throughput(),
             "files_durable": self.files_durable,
             "failures": self.failures,
+            # Flushes failed in a row, the last one included: 0 once one succeeds.
+            "failing": self._consecutive_failures,
+            "progress_throughput": self.progress_throughput(),
             "bandwidth_cap": self.bandwidth.rate,
         }

@@ -130,9 +130,10 @@ def test_export_gc_check_cli(mounts, tmp_path):
     store.put(chunk_hash(orphan), orphan)
     old = time.time() - 7200
     os.utime(store.path_for(chunk_hash(orphan)), (old, old))
-    dry = m.cli("gc", str(m.backing), "--dry-run").stdout
-    assert "would remove 1 chunk" in dry and store.exists(chunk_hash(orphan))
-    m.cli("gc", str(m.mnt))
+    report = m.cli("gc", str(m.backing)).stdout  # a report unless --delete
+    assert "would remove 1 chunk" in report and store.exists(chunk_hash(orphan))
+    assert "run with --delete" in report
+    assert "removed 1 chunk" in m.cli("gc", str(m.mnt), "--delete").stdout
     assert not store.exists(chunk_hash(orphan))
     manifest = read_manifest(m.backing / "ck" / "model.pt")
     assert all(store.exists(c.hash) for c in manifest.chunks)

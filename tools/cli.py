@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -278,8 +279,17 @@ CONFIG_HELP = (
 )
 
 
+def package_version() -> str:
+    """The installed distribution's version (pyproject.toml's, in a checkout)."""
+    try:
+        return metadata.version("ckptfs")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckptfs", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"ckptfs {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("mount", help="mount ckptfs at MOUNTPOINT over a backing directory")

@@ -59,13 +59,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     root, _ = backing_path(args.path)
-    result = collect_garbage(root, grace_seconds=args.grace, dry_run=args.dry_run)
+    # Only a report unless --delete: an operator who runs gc to look loses nothing.
+    result = collect_garbage(root, grace_seconds=args.grace, dry_run=not args.delete)
     for problem in result.problems:
         print(f"ckptfs: warning: {problem}")
     if result.refused:
         print(f"ckptfs: error: nothing removed: {result.refused}")
         return 1
-    verb = "would remove" if args.dry_run else "removed"
+    verb = "removed" if args.delete else "would remove"
     for path in result.removed:
         print(f"{verb} {path}")
     print(
@@ -73,6 +74,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
         f"{result.referenced} referenced by {result.manifests} manifest(s) kept, "
         f"{result.kept_young} unreferenced kept within the {args.grace:.0f}s grace period"
     )
+    if not args.delete and result.removed:
+        print("nothing was removed: run with --delete to remove them")
     return 0
 
 
@@ -185,7 +188,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("dst")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("gc", help="remove chunks no manifest references")
+    p = sub.add_parser("gc", help="report (with --delete: remove) chunks no manifest references")
     p.add_argument("path", nargs="?", help="backing directory or mount (default: cwd)")
     p.add_argument(
         "--grace",
@@ -193,7 +196,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=3600.0,
         help="only remove chunks older than this many seconds (default 3600)",
     )
-    p.add_argument("--dry-run", action="store_true", help="print what would be removed")
+    p.add_argument(
+        "--delete", action="store_true", help="remove them (without it: only report them)"
+    )
     p.set_defaults(func=cmd_gc)
 
     p = sub.add_parser("check", help="verify manifests and chunks under PATH")

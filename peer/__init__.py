@@ -8,19 +8,15 @@ and keeps per-file state so that the features above can attach.
 """
 
 from ckptfs.peer.transport.auth import AuthError
-from ckptfs.peer.transport.transport import (
+from ckptfs.peer.transport.client import PeerConnection, connect
+from ckptfs.peer.transport.errors import (
     ConnectionClosed,
-    Limits,
-    PeerClient,
-    PeerConnection,
     PeerTimeout,
     PeerUnreachable,
     RemoteError,
-    Request,
-    Response,
-    connect,
-    serve,
 )
+from ckptfs.peer.transport.limits import Limits
+from ckptfs.peer.transport.transport import PeerClient, Request, Response, serve
 from ckptfs.peer.transport.wire import PeerError, ProtocolError
 
 __all__ = [

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 import trio
-from ckptfs.fs.store.backing import Backing, Entry
+from ckptfs.fs.store.backing import Backing
 from ckptfs.fs.store.blocking import BackingIO, Call
+from ckptfs.fs.store.entries import Entry
 from ckptfs.fs.store.manifest import Chunk, Manifest, read_manifest, write_manifest
 
 

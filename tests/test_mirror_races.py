@@ -14,9 +14,10 @@ import trio
 import trio.testing
 from ckptfs.fs.content.cachedfile import ChunkMap
 from ckptfs.fs.content.state import FileRole, FileState, MirrorState
-from ckptfs.fs.store.backing import Backing, Published
+from ckptfs.fs.store.backing import Backing
 from ckptfs.fs.store.blocking import BackingIO
 from ckptfs.fs.store.manifest import Manifest
+from ckptfs.fs.store.publish import Published
 from ckptfs.peer.mirror import mirror as mirror_mod
 from ckptfs.peer.mirror.mirror import COMMIT, PAGE, RENAME, MirrorServer, page_digest
 from ckptfs.peer.transport.transport import Request, Response

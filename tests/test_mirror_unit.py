@@ -18,11 +18,13 @@ from ckptfs.fs.cache.journal import Journal, record_of
 from ckptfs.fs.content.arena import Arena
 from ckptfs.fs.content.cachedfile import CachedFile, ChunkMap
 from ckptfs.fs.content.state import FileRole, FileState, MirrorState, PageState
-from ckptfs.fs.store import backing as backing_mod
-from ckptfs.fs.store.backing import Backing, PlainFile, Published
+from ckptfs.fs.store import publish as backing_mod
+from ckptfs.fs.store.backing import Backing
 from ckptfs.fs.store.blocking import BackingIO
 from ckptfs.fs.store.chunkstore import ChunkStore
+from ckptfs.fs.store.entries import PlainFile
 from ckptfs.fs.store.manifest import MAGIC, Chunk, Manifest, new_id, read_manifest
+from ckptfs.fs.store.publish import Published
 from ckptfs.peer.mirror.mirror import COMMIT, DROP, PAGE, MirrorClient, MirrorServer, page_digest
 from ckptfs.peer.reads.reads import MOVED_ON, READ, ReadServer
 from ckptfs.peer.transport.transport import Request, Response

@@ -23,16 +23,11 @@ from ckptfs.peer.config import Address
 from ckptfs.peer.mirror.mirror import DROP, RENAME, MirrorServer
 from ckptfs.peer.reads.reads import READ, ReadServer
 from ckptfs.peer.transport.auth import AuthError
+from ckptfs.peer.transport.client import connect
+from ckptfs.peer.transport.errors import ConnectionClosed
 from ckptfs.peer.transport.identity import NodeIdentities
-from ckptfs.peer.transport.transport import (
-    DEFAULT_LIMITS,
-    ConnectionClosed,
-    Limits,
-    Request,
-    Response,
-    connect,
-    serve,
-)
+from ckptfs.peer.transport.limits import DEFAULT_LIMITS, Limits
+from ckptfs.peer.transport.transport import Request, Response, serve
 from test_mirror_unit import commit_request, make_cache
 from test_peer_transport import CLUSTER, LOGGER, SECRET, RawPeer, echo, run, wait_for_log
 

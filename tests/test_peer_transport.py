@@ -22,21 +22,16 @@ import pytest
 import trio
 from ckptfs.peer.transport import auth, wire
 from ckptfs.peer.transport.auth import AuthError
-from ckptfs.peer.transport.transport import (
-    DEFAULT_LIMITS,
+from ckptfs.peer.transport.client import PeerConnection, connect
+from ckptfs.peer.transport.errors import (
     ConnectionClosed,
-    Limits,
-    PeerConnection,
     PeerTimeout,
     PeerUnreachable,
-    Placement,
-    Placer,
     RemoteError,
-    Request,
-    Response,
-    connect,
-    serve,
 )
+from ckptfs.peer.transport.limits import DEFAULT_LIMITS, Limits
+from ckptfs.peer.transport.messages import Placement, Placer
+from ckptfs.peer.transport.transport import Request, Response, serve
 from ckptfs.peer.transport.wire import FrameType, ProtocolError
 
 SECRET = b"test-secret-0123456789abcdef"

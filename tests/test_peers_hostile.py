@@ -26,8 +26,9 @@ import trio
 from ckptfs.fs.store.manifest import Manifest, read_manifest
 from ckptfs.peer.config import PeersConfig, parse_peers
 from ckptfs.peer.mirror.mirror import page_digest
+from ckptfs.peer.transport import auth
 from ckptfs.peer.transport.auth import AuthError
-from ckptfs.peer.transport.transport import Request, Response, auth, serve
+from ckptfs.peer.transport.transport import Request, Response, serve
 from ckptfs.peer.transport.wire import FrameType
 from conftest import Mount, free_port, wait_for
 from test_peer_transport import RawPeer

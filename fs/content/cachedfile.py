@@ -24,7 +24,7 @@ from ckptfs.fs.content.state import FileRole, FileState, MirrorState, PageState,
 from ckptfs.fs.store.manifest import Chunk, new_id
 
 if TYPE_CHECKING:
-    from ckptfs.fs.store.backing import PlainFile
+    from ckptfs.fs.store.entries import PlainFile
 
 # A piece of a byte range: (file offset, length, chunk or None for zeros).
 Piece = tuple[int, int, Chunk | None]

@@ -25,12 +25,13 @@ from ckptfs.fs.content.cachedfile import CachedFile
 from ckptfs.fs.content.state import FileRole, FileState
 from ckptfs.fs.flush.flusher import Flusher
 from ckptfs.fs.namespace.filesystem import FOLLOWS, FileSystem, in_subtree
-from ckptfs.fs.store.backing import Backing, Published
+from ckptfs.fs.store.backing import Backing
 from ckptfs.fs.store.beneath import make_private_path
 from ckptfs.fs.store.blocking import BackingIO
 from ckptfs.fs.store.chunkstore import ChunkStore
 from ckptfs.fs.store.history import History
 from ckptfs.fs.store.manifest import Manifest
+from ckptfs.fs.store.publish import Published
 from ckptfs.fs.store.retention import fd_audit, file_audit, retain_beneath
 from ckptfs.fs.store.storedirs import StoreDirs
 

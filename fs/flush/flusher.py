@@ -25,11 +25,11 @@ from ckptfs.fs.cache.cache import Cache
 from ckptfs.fs.content.arena import Arena
 from ckptfs.fs.content.cachedfile import CachedFile, ChunkMap, Snapshot
 from ckptfs.fs.content.state import PageState
-from ckptfs.fs.store.backing import Published
 from ckptfs.fs.store.blocking import BackingIO, Call, in_background, on_loop_later
 from ckptfs.fs.store.chunking import plan_chunks
 from ckptfs.fs.store.chunkstore import Buffer, ChunkStore, pieces_hash
 from ckptfs.fs.store.manifest import Chunk, Manifest
+from ckptfs.fs.store.publish import Published
 
 log = logging.getLogger("ckptfs.flusher")
 

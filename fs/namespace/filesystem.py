@@ -40,9 +40,11 @@ from ckptfs.fs.interrupts import Interrupted, interruptible
 from ckptfs.fs.namespace.inodes import ROOT, Inode, InodeTable
 from ckptfs.fs.namespace.kernelpages import KernelCache, PagePusher, pieces
 from ckptfs.fs.namespace.nslock import NamespaceLock
-from ckptfs.fs.store.backing import Backing, Entry, PlainFile, Published
+from ckptfs.fs.store.backing import Backing
 from ckptfs.fs.store.chunkstore import ChunkCorrupt
+from ckptfs.fs.store.entries import Entry, PlainFile
 from ckptfs.fs.store.manifest import Manifest, new_id
+from ckptfs.fs.store.publish import Published
 from ckptfs.fs.store.renamelog import needs_record
 
 log = logging.getLogger("ckptfs.fs")

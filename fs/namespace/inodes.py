@@ -26,7 +26,7 @@ from ckptfs.fs.content.cachedfile import CachedFile
 from ckptfs.fs.namespace.kernelpages import KernelCache
 
 if TYPE_CHECKING:
-    from ckptfs.fs.store.backing import Entry
+    from ckptfs.fs.store.entries import Entry
 
 ROOT = 1  # FUSE_ROOT_ID: the nodeid the kernel gives the mount's root
 

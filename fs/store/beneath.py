@@ -182,6 +182,24 @@ def held(
         os.close(fd)
 
 
+def check_dir(dfd: int, rel: str, expect_ino: int | None) -> None:
+    """ESTALE if the directory held open as ``dfd`` is not the one an inode
+    was bound to (``expect_ino``; None: not checked): a directory a user
+    replaced (renamed another in its place) since the kernel looked it up
+    must not receive what was meant for it."""
+    if expect_ino is not None and os.fstat(dfd).st_ino != expect_ino:
+        raise OSError(errno.ESTALE, f"{rel or '/'}: replaced since it was looked up")
+
+
+@contextlib.contextmanager
+def in_parent(root: int, rel: str, expect_parent: int | None) -> Iterator[tuple[int, str]]:
+    """(fd of ``rel``'s directory, its name), that directory checked against
+    ``expect_parent`` (its inode's backing st_ino; None: not checked)."""
+    with parent_dir(root, rel) as (dfd, name):
+        check_dir(dfd, os.path.dirname(rel), expect_parent)
+        yield dfd, name
+
+
 def is_private_dir(st: os.stat_result, uid: int) -> bool:
     """Whether a directory's stat (lstat) shows one that only ``uid`` may
     change: a real directory, owned by ``uid``, not writable by group or others."""

@@ -50,15 +50,10 @@ from typing import Any
 import trio
 from ckptfs.peer.config import Address, PeersConfig
 from ckptfs.peer.transport.auth import one_line
+from ckptfs.peer.transport.client import PeerConnection
 from ckptfs.peer.transport.identity import source_address
-from ckptfs.peer.transport.transport import (
-    DEFAULT_LIMITS,
-    Limits,
-    PeerClient,
-    PeerConnection,
-    Request,
-    Response,
-)
+from ckptfs.peer.transport.limits import DEFAULT_LIMITS, Limits
+from ckptfs.peer.transport.transport import PeerClient, Request, Response
 from ckptfs.peer.transport.wire import PeerError
 
 log = logging.getLogger("ckptfs.peer.membership")

@@ -59,7 +59,9 @@ from ckptfs.fs.content.state import FileRole, FileState, MirrorState, PageState
 from ckptfs.fs.store.manifest import Chunk, Manifest, ManifestError
 from ckptfs.peer.transport.auth import one_line
 from ckptfs.peer.transport.dialer import Dialer
-from ckptfs.peer.transport.transport import PeerClient, Placement, RemoteError, Request, Response
+from ckptfs.peer.transport.errors import RemoteError
+from ckptfs.peer.transport.messages import Placement
+from ckptfs.peer.transport.transport import PeerClient, Request, Response
 from ckptfs.peer.transport.wire import PeerError
 
 log = logging.getLogger("ckptfs.peer.mirror")

@@ -49,7 +49,8 @@ from ckptfs.fs.read.frames import FrameCache
 from ckptfs.fs.store.chunkstore import pieces_hash
 from ckptfs.fs.store.manifest import Chunk
 from ckptfs.peer.transport.dialer import Dialer
-from ckptfs.peer.transport.transport import PeerClient, RemoteError, Request, Response
+from ckptfs.peer.transport.errors import RemoteError
+from ckptfs.peer.transport.transport import PeerClient, Request, Response
 from ckptfs.peer.transport.wire import PeerError
 
 log = logging.getLogger("ckptfs.peer.represent")

@@ -38,7 +38,7 @@ verifies (fresh nonces of both sides, role bound). The HELLOs, names and
 cluster hashes included, travel before any proof and in clear unless TLS is
 used. K proves membership of the cluster, not identity: any holder of K could
 claim any node name. The server therefore hands the name a client's HELLO
-claims to ``on_hello`` before anything else (transport.py passes identity.py's
+claims to ``on_hello`` before anything else (server.py passes identity.py's
 check: the name must be a configured node's, from that node's address); a
 refusal there is told to the client with its reason. Without TLS the frames
 after the handshake are not protected from an active attacker on the path;

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import trio
-from ckptfs.peer.transport.transport import PeerClient, PeerConnection
+from ckptfs.peer.transport.client import PeerClient, PeerConnection
 
 
 class Dialer:

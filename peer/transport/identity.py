@@ -23,7 +23,7 @@ secret must be guarded as that host's root account is (docs/SECURITY.md).
 
 The check runs once the client's HELLO names its node, before any proof is
 made or checked: a connection from the wrong address costs no HMAC and
-takes none of that node's handshake slots (transport.py).
+takes none of that node's handshake slots (admission.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,345 @@
+"""Publishing a file's manifest at its name, each in one store call: a new
+file's first manifest, a replace that checks what is at the name first
+(still this file, still the version expected, or still the plain file a
+writer adopted), and a takeover's fenced publish, which never lands over a
+newer version. Published says what became of an attempt."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import time
+from collections.abc import Callable
+from enum import Enum
+
+from ckptfs.fs.store.beneath import in_parent, open_dir, parent_dir
+from ckptfs.fs.store.blocking import Call
+from ckptfs.fs.store.entries import Entry, PlainFile, read_entry_in
+from ckptfs.fs.store.manifest import (
+    DirTimes,
+    Manifest,
+    ManifestError,
+    dir_times_kept,
+    fsync_dir,
+    is_file_id,
+    manifest_from_fd,
+    read_manifest,
+    tmp_name,
+    write_manifest,
+)
+
+
+class Published(Enum):
+    """What became of an attempt to write a file's manifest."""
+
+    DONE = "done"
+    STALE = "stale"  # what would have been written is out of date: nothing written
+    NAME_GONE = "name gone"  # the path no longer names this file
+
+
+def create_manifest(
+    call: Call[tuple[Entry, int]],
+    root: int,
+    rel: str,
+    manifest: Manifest,
+    uid: int,
+    gid: int,
+    expect_parent: int | None,
+    key: bytes | None,
+) -> tuple[Entry, int]:
+    """Write a new file's first manifest, owned by ``uid`` and the right group:
+    the parent's under a setgid directory, else ``gid``. Returns (entry, gid)."""
+    with in_parent(root, rel, expect_parent) as (dfd, name):
+        parent = os.fstat(dfd)
+        if parent.st_mode & stat.S_ISGID:
+            gid = parent.st_gid
+        write_manifest(
+            name, manifest, dir_fd=dfd, owner=(uid, gid), abandoned=call.abandoned, key=key
+        )
+        start = time.monotonic()
+        entry = read_entry_in(dfd, name, rel, key)
+        entry.read_at = start
+        return entry, gid
+
+
+def replace_manifest(
+    call: Call[Published],
+    root: int,
+    fence_dir: Callable[[], int],
+    rel: str,
+    manifest: Manifest,
+    owner: tuple[int, int],
+    file_id: str,
+    expect_version: str | None,
+    plain: PlainFile | None,
+    before: Callable[[], None] | None,
+    key: bytes | None,
+) -> Published:
+    """Replace the manifest at ``rel`` if it still belongs to ``file_id`` (and,
+    with ``expect_version``, is still that version), or, with ``plain``, if
+    that plain file is still there; ``before`` runs first."""
+    try:
+        try:
+            current, st = _manifest_and_stat(root, rel, key)
+        except FileNotFoundError:
+            # A takeover may have moved it aside for an instant (see
+            # takeover_manifest): wait for it before calling the name gone,
+            # and never call it gone while the takeover still holds it.
+            if not _wait_for_fence(fence_dir(), file_id):
+                raise
+            try:
+                current, st = _manifest_and_stat(root, rel, key)
+            except FileNotFoundError:
+                raise OSError(
+                    errno.EBUSY, f"{rel}: a takeover of this file holds its name; try again"
+                ) from None
+    except FileNotFoundError:
+        return Published.NAME_GONE
+    if current is None and (plain is None or not plain.matches(st)):
+        return Published.NAME_GONE  # a plain file was put at the path (another one)
+    if current is not None and current.file_id != file_id:
+        return Published.NAME_GONE
+    if expect_version is not None and (
+        current is None or not _ours_or_older(current, expect_version, manifest.seq)
+    ):
+        return Published.STALE
+    if before is not None:
+        before()
+    write_manifest(
+        rel,
+        manifest,
+        dir_fd=root,
+        owner=owner,
+        abandoned=call.abandoned,
+        keep_dir_times=True,
+        key=key,
+    )
+    return Published.DONE
+
+
+def _ours_or_older(current: Manifest, version: str, seq: int) -> bool:
+    """Whether a rewrite of ``version`` (of order ``seq``: made durable, new
+    metadata) may replace ``current``, the same file's manifest at its name:
+    ``current`` is that version, or an older one (by seq) that landed over it.
+
+    Why the second: a node's check of the version and its rename are one
+    store call but not atomic across nodes. Node A's durable V, checked
+    just before node B published its newer V' (B's close returned), lands
+    over V'; B's flush then finds V at the name. V' is the newer content, so
+    B publishes it again; dropping it as "rewritten elsewhere" would lose a
+    closed file. A version of unknown order (seq 0: an older manifest) or a
+    newer one (another close after ours) stays."""
+    if current.version == version:
+        return True
+    return 0 < current.seq < seq
+
+
+def _manifest_and_stat(
+    root: int, rel: str, key: bytes | None
+) -> tuple[Manifest | None, os.stat_result]:
+    """The manifest at ``rel`` and the stat of that file. None for a plain
+    file, and for an unreadable or unsealed manifest: neither is ours to
+    replace, unless it is the very plain file a writer adopted."""
+    with parent_dir(root, rel) as (dfd, name):
+        try:
+            fd = os.open(
+                name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd
+            )
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            # A symlink at the name: another file there, not ours to replace.
+            return None, os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None, st
+        try:
+            m = manifest_from_fd(fd, rel, key, st)
+            return (m if m is not None and m.sealed else None), st
+        except ManifestError:
+            return None, st
+    finally:
+        os.close(fd)
+
+
+# Seconds after which a fence left by a dead takeover is broken: longer than a
+# backing-store call may take (backing_timeout, 120 s by default), so a live
+# takeover whose call the loop gave up on is never overtaken.
+FENCE_STALE = 300.0
+FENCE_WAIT = 5.0  # longest a publish waits for a takeover's fence to go
+
+
+def _fence(file_id: str) -> str:
+    """The fence's name in ``.ckptfs/fence``: the file id, which a manifest
+    (user input) gave, so only if it is a plain name."""
+    if not is_file_id(file_id):
+        raise OSError(errno.EINVAL, f"not a file id: {file_id!r}")
+    return file_id
+
+
+def _wait_for_fence(fence_fd: int, file_id: str) -> bool:
+    """True if a takeover of ``file_id`` was fenced (and has ended, or waited long enough)."""
+    try:
+        os.stat(_fence(file_id), dir_fd=fence_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    deadline = time.monotonic() + FENCE_WAIT
+    while time.monotonic() < deadline:
+        time.sleep(0.005)
+        try:
+            os.stat(_fence(file_id), dir_fd=fence_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            break
+    return True
+
+
+def _take_fence(fence_fd: int, file_id: str) -> bool:
+    name = _fence(file_id)
+    flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(2):
+        try:
+            os.close(os.open(name, flags, 0o600, dir_fd=fence_fd))
+            return True
+        except FileExistsError:
+            try:
+                age = time.time() - os.stat(name, dir_fd=fence_fd, follow_symlinks=False).st_mtime
+            except FileNotFoundError:
+                continue
+            if age < FENCE_STALE:
+                return False
+            os.unlink(name, dir_fd=fence_fd)  # left by a takeover that died
+    return False
+
+
+def takeover_manifest(
+    call: Call[Published],
+    root: int,
+    fence_fd: int,
+    rel: str,
+    manifest: Manifest,
+    file_id: str,
+    expect_version: str,
+    key: bytes | None = None,
+) -> Published:
+    """Publish ``manifest`` at ``rel`` only over exactly ``expect_version``.
+
+    The fenced publish of a takeover (docs/STATES.md, "Takeover and
+    fencing"): the manifest there is moved aside atomically (rename), checked,
+    and the new one linked into place with link(2), which fails if anything
+    was published at the name meanwhile. So whatever another node (the
+    writer, if it only seemed dead) publishes concurrently wins, and a
+    takeover never puts its version over a newer one. A publish that finds
+    the name missing in that instant waits for the fence (replace_manifest).
+    """
+    if not _take_fence(fence_fd, file_id):
+        # Not STALE: the flusher would take that as "rewritten elsewhere" and
+        # drop the only copy. An error makes it try again later.
+        raise OSError(errno.EBUSY, f"{rel}: another takeover of this file is under way")
+    try:
+        parent, name = os.path.split(rel)
+        try:
+            dfd = open_dir(root, parent)
+        except (FileNotFoundError, NotADirectoryError):
+            # Its directory was removed (a job's rotation, rmtree, on another
+            # node), or a file put in its place: so was the name. Had this
+            # raised, the flusher would have retried for ever, after the first
+            # time against its own fence.
+            return Published.NAME_GONE
+        try:
+            # It rewrites the name's manifest as a flush does: the
+            # directory's times stay (DirTimes).
+            with dir_times_kept(dfd) as times:
+                return _link_over(call, dfd, name, manifest, file_id, expect_version, times, key)
+        finally:
+            os.close(dfd)
+    finally:
+        try:
+            os.unlink(_fence(file_id), dir_fd=fence_fd)
+        except FileNotFoundError:
+            pass
+
+
+def _link_over(
+    call: Call[Published],
+    dfd: int,
+    name: str,
+    manifest: Manifest,
+    file_id: str,
+    expect_version: str,
+    times: DirTimes,
+    key: bytes | None = None,
+) -> Published:
+    """The fenced publish itself, in the directory ``dfd`` (see
+    takeover_manifest), each change of the directory's names counted in
+    ``times``."""
+    aside = tmp_name(name)
+    new = tmp_name(name)
+    try:
+        # The new manifest is written first, so the name is missing only for
+        # a rename, a read and a link.
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return Published.NAME_GONE
+        # In the directory held open: by path, a directory removed and made
+        # again since would get the temporary name, and keep it.
+        write_manifest(
+            new, manifest, dir_fd=dfd, owner=(st.st_uid, st.st_gid), dir_times=times, key=key
+        )
+        try:
+            with times.change():
+                os.rename(name, aside, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except FileNotFoundError:
+            return Published.NAME_GONE
+        try:
+            try:
+                current = read_manifest(aside, dir_fd=dfd, key=key)
+            except ManifestError:
+                current = None
+            if current is not None and not current.sealed:
+                current = None  # not a manifest ckptfs wrote: not the version taken over
+            if (
+                current is None
+                or current.file_id != file_id
+                or current.version != expect_version
+                or current.state != "pending"
+            ):
+                # Not exactly the pending version taken over (its writer,
+                # who only seemed dead, made it durable or replaced it):
+                # what is there stays.
+                try:
+                    with times.change():
+                        os.link(
+                            aside, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False
+                        )  # put it back
+                except FileExistsError:
+                    pass  # something newer was published meanwhile: it stays
+                fsync_dir(dfd)
+                if current is None or current.file_id != file_id:
+                    return Published.NAME_GONE
+                return Published.STALE
+            try:
+                with times.change():
+                    if call.abandoned():
+                        os.link(aside, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+                        return Published.STALE
+                    os.link(new, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+            except FileExistsError:
+                return Published.STALE  # newer than what we took over: it stays
+            finally:
+                fsync_dir(dfd)
+            return Published.DONE
+        finally:
+            try:
+                with times.change():
+                    os.unlink(aside, dir_fd=dfd)
+            except FileNotFoundError:
+                pass
+    finally:
+        try:
+            with times.change():
+                os.unlink(new, dir_fd=dfd)
+        except FileNotFoundError:
+            pass

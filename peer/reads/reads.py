@@ -15,7 +15,7 @@ cannot have another's reader take its bytes for a third node's file. A
 holder serves only the nodes of its cluster (the transport's identity
 check); they are trusted to apply users' permissions to what they read, as
 NFS clients are (docs/SECURITY.md). Reply buffers count against the peer's
-buffer budget (transport.PeerBudget).
+buffer budget (limits.PeerBudget).
 """
 
 from __future__ import annotations

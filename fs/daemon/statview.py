@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from ckptfs.fs.content.cachedfile import CachedFile
 from ckptfs.fs.content.state import FileRole, FileState
-from ckptfs.fs.namespace.filesystem import in_subtree
+from ckptfs.fs.namespace.posix import in_subtree
 from ckptfs.fs.store.history import Recent
 
 T = TypeVar("T")

@@ -19,8 +19,9 @@ from ckptfs.fs.read.frames import FrameCache
 from ckptfs.fs.store.manifest import Manifest
 from ckptfs.peer.config import PeersConfig, ssl_contexts
 from ckptfs.peer.membership.membership import HEARTBEAT, Membership
-from ckptfs.peer.mirror.mirror import ROUTES as MIRROR_ROUTES
-from ckptfs.peer.mirror.mirror import MirrorClient, MirrorServer
+from ckptfs.peer.mirror.client import MirrorClient
+from ckptfs.peer.mirror.server import MirrorServer
+from ckptfs.peer.mirror.wire import ROUTES as MIRROR_ROUTES
 from ckptfs.peer.reads.reads import READ, LocalRead, PeerFetcher, PeerReadError, ReadServer
 from ckptfs.peer.reads.represent import CHUNK, ChunkServer, Representation, RepresentativeFetch
 from ckptfs.peer.transport.identity import NodeIdentities, source_address

@@ -20,8 +20,8 @@ import pytest
 import trio
 from ckptfs.fs.content.cachedfile import ChunkMap
 from ckptfs.fs.content.state import FileRole
-from ckptfs.fs.namespace.filesystem import Caller, FsError
 from ckptfs.fs.namespace.inodes import ROOT
+from ckptfs.fs.namespace.posix import Caller, FsError
 from ckptfs.fs.store.manifest import Manifest, new_id
 from conftest import write_store_manifest
 from lifecycle_harness import Harness

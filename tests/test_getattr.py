@@ -20,8 +20,8 @@ import random
 import time
 
 import pytest
-from ckptfs.fs.namespace.filesystem import Caller, SetAttr
 from ckptfs.fs.namespace.inodes import ROOT
+from ckptfs.fs.namespace.posix import Caller, SetAttr
 from ckptfs.fs.store import entries as backing_mod
 from ckptfs.fs.store.chunkstore import ChunkStore, chunk_hash
 from ckptfs.fs.store.manifest import Chunk, Manifest, new_id, read_manifest

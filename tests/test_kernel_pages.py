@@ -18,9 +18,9 @@ import pytest
 import trio
 from ckptfs.fs.content.state import FileState
 from ckptfs.fs.fuse.kernelpages import KernelPages
-from ckptfs.fs.namespace.filesystem import Caller, SetAttr
 from ckptfs.fs.namespace.inodes import ROOT
 from ckptfs.fs.namespace.kernelpages import HEAD, TAIL, KernelCache, pieces
+from ckptfs.fs.namespace.posix import Caller, SetAttr
 from conftest import Mount
 from lifecycle_harness import Harness
 

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import pytest
 from ckptfs.fs.content.state import FileState
-from ckptfs.fs.namespace.filesystem import Caller, SetAttr
 from ckptfs.fs.namespace.inodes import ROOT
+from ckptfs.fs.namespace.posix import Caller, SetAttr
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (

@@ -32,7 +32,8 @@ from ckptfs.fs.content.state import FileState, MirrorState
 from ckptfs.fs.store.blocking import BackingIO
 from ckptfs.fs.store.chunkstore import ChunkStore
 from ckptfs.fs.store.manifest import Manifest, new_id
-from ckptfs.peer.mirror.mirror import MirrorClient, MirrorServer
+from ckptfs.peer.mirror.client import MirrorClient
+from ckptfs.peer.mirror.server import MirrorServer
 from ckptfs.peer.transport.transport import Request, Response
 from ckptfs.peer.transport.wire import PeerError
 from hypothesis import HealthCheck, given, settings

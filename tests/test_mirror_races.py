@@ -18,8 +18,9 @@ from ckptfs.fs.store.backing import Backing
 from ckptfs.fs.store.blocking import BackingIO
 from ckptfs.fs.store.manifest import Manifest
 from ckptfs.fs.store.publish import Published
-from ckptfs.peer.mirror import mirror as mirror_mod
-from ckptfs.peer.mirror.mirror import COMMIT, PAGE, RENAME, MirrorServer, page_digest
+from ckptfs.peer.mirror import server as mirror_mod
+from ckptfs.peer.mirror.server import MirrorServer
+from ckptfs.peer.mirror.wire import COMMIT, PAGE, RENAME, page_digest
 from ckptfs.peer.transport.transport import Request, Response
 from conftest import write_store_manifest
 from test_mirror_unit import (

@@ -25,7 +25,9 @@ from ckptfs.fs.store.chunkstore import ChunkStore
 from ckptfs.fs.store.entries import PlainFile
 from ckptfs.fs.store.manifest import MAGIC, Chunk, Manifest, new_id, read_manifest
 from ckptfs.fs.store.publish import Published
-from ckptfs.peer.mirror.mirror import COMMIT, DROP, PAGE, MirrorClient, MirrorServer, page_digest
+from ckptfs.peer.mirror.client import MirrorClient
+from ckptfs.peer.mirror.server import MirrorServer
+from ckptfs.peer.mirror.wire import COMMIT, DROP, PAGE, page_digest
 from ckptfs.peer.reads.reads import MOVED_ON, READ, ReadServer
 from ckptfs.peer.transport.transport import Request, Response
 from conftest import write_store_manifest

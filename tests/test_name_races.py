@@ -28,8 +28,8 @@ import pytest
 import trio
 import trio.testing
 from ckptfs.fs.content.state import FileState
-from ckptfs.fs.namespace.filesystem import Caller, SetAttr
 from ckptfs.fs.namespace.inodes import ROOT
+from ckptfs.fs.namespace.posix import Caller, SetAttr
 from ckptfs.fs.store.manifest import MAGIC
 from lifecycle_harness import Harness, audit
 

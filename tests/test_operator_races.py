@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 import trio
 from ckptfs.fs.content.state import FileState
-from ckptfs.fs.namespace.filesystem import Caller
 from ckptfs.fs.namespace.inodes import ROOT
+from ckptfs.fs.namespace.posix import Caller
 from lifecycle_harness import BACKGROUND, Harness, audit
 from test_name_races import name_reads
 

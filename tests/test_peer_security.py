@@ -20,7 +20,8 @@ import pytest
 import trio
 from ckptfs.fs.store.manifest import Manifest
 from ckptfs.peer.config import Address
-from ckptfs.peer.mirror.mirror import DROP, RENAME, MirrorServer
+from ckptfs.peer.mirror.server import MirrorServer
+from ckptfs.peer.mirror.wire import DROP, RENAME
 from ckptfs.peer.reads.reads import READ, ReadServer
 from ckptfs.peer.transport.auth import AuthError
 from ckptfs.peer.transport.client import connect

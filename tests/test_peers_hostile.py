@@ -25,7 +25,7 @@ import pytest
 import trio
 from ckptfs.fs.store.manifest import Manifest, read_manifest
 from ckptfs.peer.config import PeersConfig, parse_peers
-from ckptfs.peer.mirror.mirror import page_digest
+from ckptfs.peer.mirror.wire import page_digest
 from ckptfs.peer.transport import auth
 from ckptfs.peer.transport.auth import AuthError
 from ckptfs.peer.transport.transport import Request, Response, serve

@@ -17,8 +17,8 @@ from ckptfs.fs.fuse import abi as abi
 from ckptfs.fs.fuse.abi import Op
 from ckptfs.fs.fuse.operations import Operations
 from ckptfs.fs.fuse.session import Request
-from ckptfs.fs.namespace.filesystem import Caller
 from ckptfs.fs.namespace.inodes import ROOT, InodeTable
+from ckptfs.fs.namespace.posix import Caller
 from conftest import wait_for
 from lifecycle_harness import Harness
 

@@ -48,7 +48,7 @@ from ckptfs.fs.store.chunkstore import ChunkStore
 from ckptfs.fs.store.manifest import Chunk, Manifest
 
 if TYPE_CHECKING:
-    from ckptfs.fs.store.backing import PlainFile
+    from ckptfs.fs.store.entries import PlainFile
 
 log = logging.getLogger("ckptfs.cache")
 

@@ -74,7 +74,7 @@ class Mirroring:
 
     # ----- buddy mirroring: the writer's side ---------------------------------
     def set_mirror(self, f: CachedFile, state: MirrorState) -> None:
-        """Record whether ``f``'s buddy holds its content (peer/mirror/mirror.py decides)."""
+        """Record whether ``f``'s buddy holds its content (peer/mirror/client.py decides)."""
         if f.mirror is not state:
             f.mirror = state
             if state is MirrorState.ACKED:

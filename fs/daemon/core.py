@@ -24,7 +24,9 @@ from ckptfs.fs.content.arena import SLOT_SIZE, Arena
 from ckptfs.fs.content.cachedfile import CachedFile
 from ckptfs.fs.content.state import FileRole, FileState
 from ckptfs.fs.flush.flusher import Flusher
-from ckptfs.fs.namespace.filesystem import FOLLOWS, FileSystem, in_subtree
+from ckptfs.fs.namespace.commits import FOLLOWS
+from ckptfs.fs.namespace.filesystem import FileSystem
+from ckptfs.fs.namespace.posix import in_subtree
 from ckptfs.fs.store.backing import Backing
 from ckptfs.fs.store.beneath import make_private_path
 from ckptfs.fs.store.blocking import BackingIO

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from ckptfs.fs.content.cachedfile import CachedFile
 from ckptfs.fs.content.state import FileRole, FileState, stat_state
-from ckptfs.fs.namespace.filesystem import in_subtree
+from ckptfs.fs.namespace.posix import in_subtree
 from ckptfs.fs.store.history import Recent
 
 T = TypeVar("T")
@@ -134,7 +134,7 @@ class StatView:
         shown = self._split("mirrored_files", pending, _uid)
         out = dict(stats)
         if not self.viewer.sees_all:
-            # As peer/mirror/mirror.py lists them: origin node, then path (or id).
+            # As peer/mirror/server.py lists them: origin node, then path (or id).
             out["mirrored_files"] = sorted(f"{f.origin}:{f.path or f.file_id}" for f in shown)[:50]
         writer = stats.get("writer")
         if writer:

@@ -22,7 +22,8 @@ from typing import Any, TypeVar
 from ckptfs.fs.fuse import abi as abi
 from ckptfs.fs.fuse.abi import Op
 from ckptfs.fs.fuse.session import FuseError, Handlers, Reply, Request
-from ckptfs.fs.namespace.filesystem import Attr, Caller, FileSystem, SetAttr
+from ckptfs.fs.namespace.filesystem import FileSystem
+from ckptfs.fs.namespace.posix import Attr, Caller, SetAttr
 
 log = logging.getLogger("ckptfs.fuse")
 T = TypeVar("T")

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -280,16 +279,31 @@ CONFIG_HELP = (
 
 
 def package_version() -> str:
-    """The installed distribution's version (pyproject.toml's, in a checkout)."""
+    """The installed distribution's version (pyproject.toml's, in a checkout).
+    Read only when asked: importlib.metadata costs imports every other
+    command does without."""
+    from importlib import metadata
+
     try:
         return metadata.version("ckptfs")
     except metadata.PackageNotFoundError:
         return "unknown (not installed)"
 
 
+class VersionAction(argparse.Action):
+    """``--version``: prints ``ckptfs <version>`` and exits."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        print(f"ckptfs {package_version()}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckptfs", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"ckptfs {package_version()}")
+    parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("mount", help="mount ckptfs at MOUNTPOINT over a backing directory")

@@ -1,8 +1,8 @@
 """Randomized fault trials on real daemons in network namespaces (as root).
 
-    python tests/fault_trials.py --trials N --seed S [--nodes 4] [--trial K]
+    python tests/cluster/fault_trials.py --trials N --seed S [--nodes 4] [--trial K]
 
-See tests/faults/trials.py and docs/FAULT-TRIALS.md.
+See tests/cluster/faults/trials.py and docs/FAULT-TRIALS.md.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "support")]  # faults/, and countingfs
 
 from faults.trials import main  # noqa: E402
 

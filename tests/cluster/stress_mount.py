@@ -1,6 +1,6 @@
 """A randomised multi-process stress run on real mounts (not part of the suite).
 
-    python tests/stress_mount.py [--seconds 300] [--nodes 1|2] [--workdir DIR]
+    python tests/cluster/stress_mount.py [--seconds 300] [--nodes 1|2] [--workdir DIR]
 
 As root. Mounts ckptfs (two nodes with buddy mirroring, one backing directory,
 with ``--nodes 2``); writer processes running as uid 65534 each own a
@@ -15,7 +15,7 @@ everyone, unmounts a node and mounts it again (half the time with a new,
 empty cache directory), then compares every file whole. At the end every
 node is mounted afresh, everything compared again, and ``ckptfs check`` run.
 
-It found the lost CREATE of tests/test_operator_races.py within two minutes.
+It found the lost CREATE of tests/harness/test_operator_races.py within two minutes.
 An open of a file that another node replaced twice within that open's
 lookup and open gets ESTALE (the kernel retries once); readers count those
 (see README, Limits) rather than fail.

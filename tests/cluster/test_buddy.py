@@ -16,37 +16,18 @@ import time
 from pathlib import Path
 
 from ckptfs.fs.store.manifest import read_manifest
-from conftest import Mount, wait_for
-from test_peers_mount import cluster_config, free_port, peers_of
-from test_users import GROUP, USER, run_as
+from clusters import cluster, cluster_config, peers_of
+from mounts import Mount, free_port
+from users import GROUP, USER, run_as
+from waits import wait_for
 
 MiB = 1 << 20
 SLOW = "32KiB"  # a flush cap that keeps a file pending for the whole test
 PEER_LOGS = ["lost connection to peer", "peer 'n", "dropped connection from peer"]
 
 
-def cluster(mounts, tmp_path: Path, names: list[str], env: dict[str, dict[str, str]]):
-    ports = {name: free_port() for name in names}
-    config = cluster_config(tmp_path, ports)
-    nodes = {name: mounts(name) for name in names}
-    for name, m in nodes.items():
-        m.mount("--config", str(config), "--node", name, env=env.get(name, {}))
-    for name, m in nodes.items():
-        wait_for(
-            lambda m=m, name=name: all(p["alive"] for p in peers_of(m).values()),
-            30,
-            f"{name} sees every peer alive",
-        )
-    return nodes
-
-
 def file_info(m: Mount, rel: str) -> dict | None:
     return {f["path"]: f for f in m.stat()["files"]}.get(rel)
-
-
-def chunk_files(backing: Path) -> list[Path]:
-    root = backing / ".ckptfs" / "chunks"
-    return [p for p in root.rglob("*") if p.is_file()] if root.exists() else []
 
 
 def test_a_closed_file_is_in_its_buddys_ram_and_read_from_peers_before_any_flush(mounts, tmp_path):

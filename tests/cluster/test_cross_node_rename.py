@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 
 from ckptfs.fs.store.manifest import read_manifest
-from conftest import wait_for
-from test_buddy import PEER_LOGS, cluster
+from clusters import PEER_LOGS, cluster
+from waits import wait_for
 
 MiB = 1 << 20
 SLOW = {"CKPTFS_FLUSH_BANDWIDTH": "256KiB", "CKPTFS_CHUNK_SIZE": "256KiB"}

@@ -1,4 +1,4 @@
-"""The fault-trial harness (tests/faults/, docs/FAULT-TRIALS.md): its oracle
+"""The fault-trial harness (tests/cluster/faults/, docs/FAULT-TRIALS.md): its oracle
 catches what it must, the stand-in store's injected faults hold, and a
 small fixed-seed run of real trials passes.
 

@@ -29,8 +29,9 @@ from ckptfs.peer.mirror.mirror import page_digest
 from ckptfs.peer.transport.auth import AuthError
 from ckptfs.peer.transport.transport import Request, Response, auth, serve
 from ckptfs.peer.transport.wire import FrameType
-from conftest import Mount, free_port, wait_for
-from test_peer_transport import RawPeer
+from mounts import Mount, free_port
+from peerwire import RawPeer
+from waits import wait_for
 
 SECRET = "correct horse battery staple 0123456789"
 ADDRESSES = {"n1": "127.0.0.1", "n2": "127.0.0.2", "n3": "127.0.0.3"}

@@ -10,38 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import Mount, free_port, lines_of_a_killed_peer, wait_for
+from clusters import cluster_config, peers_of
+from mounts import Mount, free_port, lines_of_a_killed_peer
+from waits import wait_for
 
 MiB = 1 << 20
-
-
-def cluster_config(
-    tmp_path: Path,
-    ports: dict[str, int],
-    timeout: float = 1.5,
-    heartbeat: float = 0.2,
-    **extra: str,
-) -> Path:
-    secret = tmp_path / "secret"
-    if not secret.exists():
-        secret.write_text("correct horse battery staple 0123456789\n")
-        secret.chmod(0o600)
-    nodes = ", ".join(f"{name}: 127.0.0.1:{port}" for name, port in ports.items())
-    lines = [
-        "peers:",
-        f"  secret_file: {secret}",
-        f"  nodes: {{{nodes}}}",
-        f"  timeout: {timeout}",
-        f"  heartbeat: {heartbeat}",
-        *(f"  {key}: {value}" for key, value in extra.items()),
-    ]
-    path = tmp_path / f"cluster-{len(list(tmp_path.glob('cluster-*')))}.yaml"
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def peers_of(m: Mount) -> dict[str, dict]:
-    return {p["name"]: p for p in m.stat()["peers"]}
 
 
 def test_two_nodes_see_each_other_and_notice_a_death(mounts, tmp_path):
@@ -135,7 +108,7 @@ def test_a_file_pending_on_another_node_is_read_from_it(mounts, tmp_path):
     they are that version, verified), and stat lists the file as lost;
     never wrong bytes.
     (Durability local: with buddy, n2 would hold the file and take it over;
-    tests/test_buddy.py covers that.)"""
+    tests/cluster/test_buddy.py covers that.)"""
     n1, n2 = _slow_writer_and_reader(mounts, tmp_path)
     # Larger than what n2's read-ahead fetches beyond its reads (4 blocks of
     # 4 MiB), so that part of it is still only on n1 when n1 dies.
@@ -181,7 +154,7 @@ def test_a_file_changed_on_its_node_while_open_on_another_is_stale_there_not_los
     n2 also opens the new version. n2's old handle then reads only the bytes
     it fetched already: a read of others gets ESTALE, as NFS answers a reader
     of a file that another client changed under it; never EIO with a false
-    "is lost here" (the stress run, tests/stress_mount.py, found that), and
+    "is lost here" (the stress run, tests/cluster/stress_mount.py, found that), and
     never zeros (a second reader found that the old version, retired on n2
     once n2 loaded the new one, read as zeros). A new open reads the new
     version whole."""

@@ -4,7 +4,7 @@ from its RAM (peer/reads/represent.py); a representative that dies makes the oth
 read its chunks from the store themselves; every node gets identical bytes.
 
 The shared backing directory is a counting passthrough FUSE mount
-(tests/countingfs.py, the tests' NFS stand-in), so the bytes read from the
+(tests/support/countingfs.py, the tests' NFS stand-in), so the bytes read from the
 store by all four daemons together are counted in one place.
 """
 
@@ -23,13 +23,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from children import go, interrupt, next_line, stop
 from ckptfs.fs.config import Config
 from ckptfs.fs.store.chunkstore import chunk_hash
 from ckptfs.peer.reads.represent import representative
-from conftest import Mount, lines_of_a_killed_peer, wait_for
+from clusters import cluster, cluster_config, peers_of
 from countingfs import CountingMount, counting_mount
-from test_interrupts import go, interrupt, next_line, requests, stop
-from test_peers_mount import cluster_config, free_port, peers_of
+from mounts import Mount, free_port, fuse_requests, lines_of_a_killed_peer
+from waits import wait_for
 
 MiB = 1 << 20
 NODES = ("n1", "n2", "n3", "n4")
@@ -87,32 +88,15 @@ def start_cluster(
     names: tuple[str, ...] = NODES,
     timeout: float = 5,
 ) -> list[Mount]:
-    secret = tmp_path / "secret"
-    secret.write_text("correct horse battery staple 0123456789\n")
-    secret.chmod(0o600)
-    ports = {name: free_port() for name in names}
-    nodes = ", ".join(f"{name}: 127.0.0.1:{port}" for name, port in ports.items())
-    config = tmp_path / "cluster.yaml"
     # timeout 5 (the default): two cores carry four daemons, the counting
     # store and four readers here, so a representative's answer (its own
     # store read included) may take a while; a killed node's connections
-    # fail at once anyway.
-    config.write_text(
-        f"peers:\n  secret_file: {secret}\n  nodes: {{{nodes}}}\n  timeout: {timeout}\n"
-        "  heartbeat: 0.5\n"
-    )
-    cluster = [mounts(name) for name in names]
-    for name, m in zip(names, cluster, strict=True):
-        # The checkpoint is written once, on n1; the restore is what is
-        # measured (it is larger than a buddy's mirror space anyway).
-        m.mount("--config", str(config), "--node", name, "--durability", "local",
-                cache_size=cache_size)  # fmt: skip
-    wait_for(
-        lambda: all(all(p["alive"] for p in peers_of(m).values()) for m in cluster),
-        30,
-        "every node alive for every other",
-    )
-    return cluster
+    # fail at once anyway. The checkpoint is written once, on n1; the
+    # restore is what is measured (it is larger than a buddy's mirror space
+    # anyway): durability local.
+    nodes = cluster(mounts, tmp_path, list(names), args=("--durability", "local"),
+                    cache_size=cache_size, timeout=timeout, heartbeat=0.5)  # fmt: skip
+    return list(nodes.values())
 
 
 def save_checkpoint(path: Path, size: int) -> str:
@@ -365,7 +349,7 @@ def ctrl_c_while_stopped(path: Path, *, reading: Mount, stopped: Mount) -> None:
         assert reader.poll() is None  # waiting for it
         took = interrupt(reader, "read interrupted")
         assert took < 5, took
-        assert requests(reading)["interrupts"] >= 1
+        assert fuse_requests(reading)["interrupts"] >= 1
     finally:
         os.kill(stopped.pid, signal.SIGCONT)
         stop(reader)

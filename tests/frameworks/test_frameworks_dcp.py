@@ -2,7 +2,7 @@
 gloo ranks on CPU, ``dcp.save`` and ``dcp.async_save``, then loads with 2 ranks
 and a resharded load with 1 rank, each on a new mount with an empty cache.
 
-The ranks are real processes (tests/frameworks_util.py): under
+The ranks are real processes (tests/support/frameworks_util.py): under
 torch.distributed.run in the first test, started directly as a cluster's
 launcher starts them (``frameworks_util.ranks``) in the others. Every
 tensor of the model and optimizer state is compared with torch.equal
@@ -13,7 +13,7 @@ Once as root and once with every rank as an ordinary user.
 from __future__ import annotations
 
 import pytest
-from conftest import wait_for
+from clusters import PEER_LOGS, cluster
 from frameworks_util import (
     ORDINARY,
     assert_owned,
@@ -26,7 +26,7 @@ from frameworks_util import (
     umount_checked,
     worker,
 )
-from test_buddy import PEER_LOGS, cluster
+from waits import wait_for
 
 DCP_FILES = [".metadata", "__0_0.distcp", "__1_0.distcp"]
 

@@ -24,20 +24,19 @@ import json  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from conftest import wait_for  # noqa: E402
+from clusters import PEER_LOGS, cluster  # noqa: E402
 from frameworks_util import (  # noqa: E402
     ORDINARY,
     acting_as,
     assert_backing_durable,
     assert_owned,
-    assert_same,
     backing_manifests,
     clone_tree,
     job_dir,
     umount_checked,
 )
 from safetensors.torch import load_file  # noqa: E402
-from test_buddy import PEER_LOGS, cluster  # noqa: E402
+from tensors import assert_same  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 from transformers import (  # noqa: E402
     GPT2Config,
@@ -46,6 +45,7 @@ from transformers import (  # noqa: E402
     TrainerCallback,
     TrainingArguments,
 )
+from waits import wait_for  # noqa: E402
 
 SEQ, BATCH, SAVE_STEPS = 8, 4, 2
 

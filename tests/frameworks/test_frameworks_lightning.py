@@ -32,13 +32,12 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import wait_for
+from clusters import PEER_LOGS, cluster
 from frameworks_util import (
     ORDINARY,
     acting_as,
     assert_backing_durable,
     assert_owned,
-    assert_same,
     backing_manifests,
     clone_tree,
     files_under,
@@ -47,10 +46,11 @@ from frameworks_util import (
     umount_checked,
 )
 from pytorch_lightning.callbacks import ModelCheckpoint
-from test_buddy import PEER_LOGS, cluster
+from tensors import assert_same
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
+from waits import wait_for
 
 # The monitored metric per epoch (mode="max"): epochs 0-3 on mount A keep
 # {1, 3}; epochs 4-5 after the resume keep {3, 5}.

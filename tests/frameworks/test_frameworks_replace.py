@@ -34,10 +34,10 @@ from typing import Any
 
 import pytest
 import torch
+from clusters import PEER_LOGS, cluster
 from frameworks_util import (
     REPLACE_FIRST,
     WORKER,
-    assert_same,
     backing_manifests,
     files_under,
     kill_group,
@@ -45,7 +45,7 @@ from frameworks_util import (
     subprocess_env,
     umount_checked,
 )
-from test_buddy import PEER_LOGS, cluster
+from tensors import assert_same
 
 READERS = {"plain": 2, "mmap": 2}
 WRITE_SECONDS = 4.0

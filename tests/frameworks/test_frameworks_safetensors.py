@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from frameworks_util import ORDINARY, acting_as, assert_owned, assert_same, job_dir, umount_checked
+from frameworks_util import ORDINARY, acting_as, assert_owned, job_dir, umount_checked
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from tensors import assert_same
 
 METADATA = {"format": "pt", "step": "42"}
 

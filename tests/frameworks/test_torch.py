@@ -10,30 +10,12 @@ import pytest
 import torch
 from ckptfs.fs.store.chunkstore import ChunkStore
 from ckptfs.fs.store.manifest import read_manifest
-
-
-def state_dict(total_bytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A GPT-like state dict of about ``total_bytes``: 4 projections per layer."""
-    g = torch.Generator().manual_seed(seed)
-    width = 1024 if total_bytes >= 64 << 20 else 128
-    per_matrix = width * width * 4
-    sd: dict[str, torch.Tensor] = {"embed.weight": torch.randn(50, width, generator=g)}
-    for i in range(max(1, total_bytes // (4 * per_matrix))):
-        for name in ("q", "k", "v", "o"):
-            sd[f"layers.{i}.attn.{name}.weight"] = torch.randn(width, width, generator=g)
-        sd[f"layers.{i}.ln.bias"] = torch.randn(width, generator=g)
-    return sd
-
-
-def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+from tensors import assert_same, state_dict_of
 
 
 @pytest.mark.parametrize("size", [1 << 20, 64 << 20])
 def test_roundtrip_small(mounted, size):
-    sd = state_dict(size)
+    sd = state_dict_of(size)
     path = mounted.mnt / "ckpt" / "model.pt"
     path.parent.mkdir()
     torch.save(sd, path)
@@ -44,7 +26,7 @@ def test_roundtrip_small(mounted, size):
 def test_roundtrip_1gib_warm_and_from_backing(mounts):
     m = mounts()
     m.mount(cache_size="2GiB")
-    sd = state_dict(1 << 30, seed=1)
+    sd = state_dict_of(1 << 30, seed=1)
     assert sum(t.numel() * t.element_size() for t in sd.values()) > 0.9 * (1 << 30)
     path = m.mnt / "checkpoint-1" / "model.pt"
     path.parent.mkdir()
@@ -69,7 +51,7 @@ def test_remount_with_empty_cache_reads_everything_back(mounts):
     for step in (10, 20, 30):
         d = m.mnt / f"checkpoint-{step}"
         d.mkdir()
-        saved[step] = state_dict(8 << 20, seed=step)
+        saved[step] = state_dict_of(8 << 20, seed=step)
         torch.save(saved[step], d / "model.pt")
         (d / "trainer_state.json").write_text(f'{{"step": {step}}}')
     m.umount()
@@ -123,7 +105,7 @@ def test_corrupted_chunk_gives_eio_and_names_file_and_chunk(mounts):
 def test_durability_backing_close_returns_durable(mounts):
     m = mounts()
     m.mount("--durability", "backing")
-    sd = state_dict(4 << 20)
+    sd = state_dict_of(4 << 20)
     torch.save(sd, m.mnt / "m.pt")
     manifest = read_manifest(m.backing / "m.pt")
     assert manifest is not None and manifest.state == "durable"

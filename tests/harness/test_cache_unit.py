@@ -5,26 +5,16 @@ from __future__ import annotations
 import errno
 import random
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import trio
+from caches import make_cache
 from ckptfs.fs import interrupts
 from ckptfs.fs.cache import cache as cache_mod
-from ckptfs.fs.cache.cache import MAX_FILE_SIZE, Cache
-from ckptfs.fs.cache.journal import Journal
-from ckptfs.fs.content.arena import Arena
+from ckptfs.fs.cache.cache import MAX_FILE_SIZE
 from ckptfs.fs.content.state import FileState
 from ckptfs.fs.interrupts import interruptible
-from ckptfs.fs.store.blocking import BackingIO
-from ckptfs.fs.store.chunkstore import ChunkStore
 from ckptfs.fs.store.manifest import Manifest
-
-
-def make_cache(tmp_path: Path, capacity: int = 8 << 20) -> Cache:
-    arena = Arena(tmp_path / "arena", capacity)
-    store = ChunkStore(tmp_path / "backing")
-    return Cache(arena, store, BackingIO(10), Journal(tmp_path / "journal"), node="n1")
 
 
 def test_prune_forgets_the_oldest_idle_files_beyond_the_cap(tmp_path, monkeypatch):

@@ -13,26 +13,16 @@ import functools
 import os
 import random
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
-import trio
 from ckptfs.fs.content.cachedfile import ChunkMap
 from ckptfs.fs.content.state import FileRole
 from ckptfs.fs.namespace.filesystem import Caller, FsError
 from ckptfs.fs.namespace.inodes import ROOT
 from ckptfs.fs.store.manifest import Manifest, new_id
-from conftest import write_store_manifest
-from lifecycle_harness import Harness
-from test_getattr import CALLER, close, opened
-
-T = TypeVar("T")
-
-
-def inline(h: Harness, fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` on the loop, synchronously, as the session's reader runs it."""
-    return trio.from_thread.run_sync(fn, *args, trio_token=h._token)
+from lifecycle_harness import CALLER, Harness, close, inline, opened, read_now_copied
+from manifests import write_store_manifest
 
 
 def tables(h: Harness) -> tuple[Any, ...]:
@@ -148,17 +138,6 @@ def test_open_flags_leave_the_flush_to_whoever_may_write(h: Harness) -> None:
     )
     assert open_flags & abi.FOPEN_NOFLUSH and not h.core.fs.handles[fh_r].writable
     h.call(h.core.fs.release, fh_r)
-
-
-def read_now_copied(h: Harness, fh: int, off: int, size: int) -> bytes | None:
-    """``FileSystem.read_now`` as a reader runs it, its views copied before
-    the loop runs on (they are valid until its next await)."""
-
-    def read() -> bytes | None:
-        got = h.core.fs.read_now(fh, off, size)
-        return None if got is None else b"".join(got) if isinstance(got, list) else bytes(got)
-
-    return inline(h, read)
 
 
 def test_a_read_of_bytes_in_ram_is_answered_inline_as_by_a_task(h: Harness) -> None:

@@ -4,7 +4,7 @@ stopped answering: here a gate the store's read waits at), a reader that
 fills the frame and readers that wait for that fill, each interrupted in
 turn (what a FUSE_INTERRUPT for Ctrl-C does, interrupts.py).
 
-tests/test_interrupts.py does the same through a real mount with the NFS
+tests/mount/test_interrupts.py does the same through a real mount with the NFS
 stand-in stopped; this one checks what a mount cannot show: that an
 interrupted reader's store read goes on for the others (no second read of
 the chunk while the store hangs), and that every slot comes back.
@@ -25,6 +25,7 @@ from ckptfs.fs.read.frames import FrameCache
 from ckptfs.fs.store.blocking import BackingIO
 from ckptfs.fs.store.chunkstore import ChunkStore, chunk_hash
 from ckptfs.fs.store.manifest import Chunk
+from waits import until
 
 MiB = 1 << 20
 TIMEOUT = 20
@@ -48,12 +49,6 @@ class HungStore(ChunkStore):
         if self.fail:
             raise OSError(errno.EIO, "the NFS server came back broken")
         return super().read_into(*args, **kwargs)
-
-
-async def until(predicate: Any, what: str) -> None:
-    with trio.fail_after(TIMEOUT):
-        while not predicate():
-            await trio.sleep(0.005)
 
 
 class Node:

@@ -20,17 +20,13 @@ import random
 import time
 
 import pytest
-from ckptfs.fs.namespace.filesystem import Caller, SetAttr
+from ckptfs.fs.namespace.filesystem import SetAttr
 from ckptfs.fs.namespace.inodes import ROOT
 from ckptfs.fs.store import backing as backing_mod
 from ckptfs.fs.store.chunkstore import ChunkStore, chunk_hash
 from ckptfs.fs.store.manifest import Chunk, Manifest, new_id, read_manifest
-from conftest import write_store_manifest
-from lifecycle_harness import Harness
-from test_name_races import save
-
-CALLER = Caller(0, 0)
-SIZE = 5 * 4096 + 17
+from lifecycle_harness import CALLER, SIZE, Harness, close, opened, saved
+from manifests import write_store_manifest
 
 
 class StatCounter:
@@ -47,27 +43,6 @@ class StatCounter:
             return await real(path, *args)
 
         backing.entry = entry  # type: ignore[method-assign]
-
-
-def saved(h: Harness, name: str, data: bytes) -> None:
-    """Written, closed and flushed."""
-    save(h, name, data)
-    h.direct(h.background_steps, 100)
-    assert read_manifest(h.backing / name).state == "durable"
-
-
-def opened(h: Harness, name: str, data: bytes | None = None) -> tuple[int, int]:
-    """Saved, looked up and opened for reading: (inode, handle)."""
-    saved(h, name, random.randbytes(SIZE) if data is None else data)
-    ino = h.call(h.core.fs.lookup, ROOT, name).ino
-    fh, _ = h.call(h.core.fs.open, ino, os.O_RDONLY, CALLER)
-    return ino, fh
-
-
-def close(h: Harness, fh: int) -> None:
-    """close(): FLUSH, then RELEASE."""
-    h.call(h.core.fs.flush, fh)
-    h.call(h.core.fs.release, fh)
 
 
 def rewrite_elsewhere(h: Harness, name: str, data: bytes) -> None:

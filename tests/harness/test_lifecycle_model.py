@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import errno
 import os
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 from ckptfs.fs.content.state import FileState
-from ckptfs.fs.namespace.filesystem import Caller, SetAttr
+from ckptfs.fs.namespace.filesystem import SetAttr
 from ckptfs.fs.namespace.inodes import ROOT
+from data import rand
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -43,11 +43,9 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from lifecycle_harness import Harness, audit, errno_of
-from test_fast_paths import read_now_copied
+from lifecycle_harness import CALLER, Harness, audit, errno_of, read_now_copied
 
 PS = 4096
-ROOT_CALLER = Caller(0, 0)
 NAMES = st.sampled_from(["a", "b"])
 OFFSETS = st.sampled_from([0, 1, PS - 3, PS, 2 * PS + 100, 5 * PS - 1, 9 * PS, 12 * PS + 7])
 SIZES = st.sampled_from([1, 100, PS - 1, PS, PS + 1, 3 * PS + 5, 7 * PS])
@@ -61,10 +59,6 @@ LABELS = st.sampled_from(
 WRITES = st.lists(st.tuples(OFFSETS, SIZES, st.integers(0, 1 << 30)), min_size=1, max_size=3)
 STEPS = {"count": 0, "restarts": 0, "crashes": 0}
 _TMP: list[Path] = []
-
-
-def blob(seed: int, size: int) -> bytes:
-    return random.Random(seed).randbytes(size)
 
 
 @dataclass(eq=False)
@@ -147,7 +141,7 @@ class LifecycleModel(RuleBasedStateMachine):
 
     def _read_all(self, name: str) -> bytes:
         ino = self._lookup(name)
-        fh, _ = self.h.call(self.fs.open, ino, os.O_RDONLY, ROOT_CALLER)
+        fh, _ = self.h.call(self.fs.open, ino, os.O_RDONLY, CALLER)
         try:
             out = bytearray()
             while True:
@@ -168,9 +162,7 @@ class LifecycleModel(RuleBasedStateMachine):
             return
         if ref is None:
             flags = os.O_WRONLY if mode == "w" else os.O_RDWR
-            fh, attr = self.h.call(
-                self.fs.create, ROOT, name, 0o644, flags, ROOT_CALLER, schedule=sched
-            )
+            fh, attr = self.h.call(self.fs.create, ROOT, name, 0o644, flags, CALLER, schedule=sched)
             ref = self.names[name] = RefFile()
             self.versions[(self.fs.handles[fh].file.file_id, self.fs.handles[fh].file.version)] = (
                 b""
@@ -181,7 +173,7 @@ class LifecycleModel(RuleBasedStateMachine):
         ino = self._lookup(name)
         flags = {"w": os.O_WRONLY | os.O_TRUNC, "rw": os.O_RDWR, "rw-new": os.O_RDWR, "r": 0}[mode]
         try:
-            fh, _ = self.h.call(self.fs.open, ino, flags, ROOT_CALLER, schedule=sched)
+            fh, _ = self.h.call(self.fs.open, ino, flags, CALLER, schedule=sched)
         except OSError as exc:
             assert ref.lost and flags & os.O_ACCMODE and not flags & os.O_TRUNC, exc
             assert errno_of(exc) == errno.EIO
@@ -199,7 +191,7 @@ class LifecycleModel(RuleBasedStateMachine):
         h = data.draw(st.sampled_from([h for h in self.handles if h.writable]))
         if h.ref.lost:
             with pytest.raises(OSError):
-                self.h.call(self.fs.write, h.fh, off, blob(seed, size))
+                self.h.call(self.fs.write, h.fh, off, rand(size, seed))
             return
         self._write(h, off, size, seed, sched)
 
@@ -210,9 +202,9 @@ class LifecycleModel(RuleBasedStateMachine):
         h = data.draw(st.sampled_from([h for h in self.handles if h.writable]))
         if h.ref.lost and size:
             with pytest.raises(OSError):
-                self.h.call(self.fs.setattr, h.ino, SetAttr(size=size), ROOT_CALLER)
+                self.h.call(self.fs.setattr, h.ino, SetAttr(size=size), CALLER)
             return
-        self.h.call(self.fs.setattr, h.ino, SetAttr(size=size), ROOT_CALLER, schedule=sched)
+        self.h.call(self.fs.setattr, h.ino, SetAttr(size=size), CALLER, schedule=sched)
         h.ref.lost = False
         if size < len(h.ref.data):
             del h.ref.data[size:]
@@ -321,7 +313,7 @@ class LifecycleModel(RuleBasedStateMachine):
         if ref is None or ref.lost or len(self.handles) >= 4:
             return
         ino = self._lookup(name)
-        fh, _ = self.h.call(self.fs.open, ino, os.O_RDWR, ROOT_CALLER)
+        fh, _ = self.h.call(self.fs.open, ino, os.O_RDWR, CALLER)
         handle = OpenHandle(fh, ino, ref, True)
         self.handles.append(handle)
         self.h.direct(self.h.background_until, label)
@@ -341,7 +333,7 @@ class LifecycleModel(RuleBasedStateMachine):
         if ref is not None and ref.lost and mode == "rw":
             return
         if ref is None:
-            fh, attr = self.h.call(self.fs.create, ROOT, name, 0o644, os.O_WRONLY, ROOT_CALLER)
+            fh, attr = self.h.call(self.fs.create, ROOT, name, 0o644, os.O_WRONLY, CALLER)
             ref = self.names[name] = RefFile()
             f = self.fs.handles[fh].file
             self.versions[(f.file_id, f.version)] = b""
@@ -350,7 +342,7 @@ class LifecycleModel(RuleBasedStateMachine):
         else:
             ino = self._lookup(name)
             flags = os.O_WRONLY | os.O_TRUNC if mode == "w" else os.O_RDWR
-            fh, _ = self.h.call(self.fs.open, ino, flags, ROOT_CALLER, schedule=sched)
+            fh, _ = self.h.call(self.fs.open, ino, flags, CALLER, schedule=sched)
             if mode == "w":
                 ref.data, ref.lost = bytearray(), False
         handle = OpenHandle(fh, ino, ref, True)
@@ -365,7 +357,7 @@ class LifecycleModel(RuleBasedStateMachine):
         self._kernel_forgets()
 
     def _write(self, h: OpenHandle, off: int, size: int, seed: int, sched: list[int]) -> None:
-        payload = blob(seed, size)
+        payload = rand(size, seed)
         assert self.h.call(self.fs.write, h.fh, off, payload, schedule=sched) == size
         if off > len(h.ref.data):
             h.ref.data += bytes(off - len(h.ref.data))
@@ -390,7 +382,7 @@ class LifecycleModel(RuleBasedStateMachine):
         w = data.draw(st.sampled_from(self.walks))
         self.walks.remove(w)
         try:
-            fh, _ = self.h.call(self.fs.open, w.ino, os.O_RDONLY, ROOT_CALLER, schedule=sched)
+            fh, _ = self.h.call(self.fs.open, w.ino, os.O_RDONLY, CALLER, schedule=sched)
             try:
                 out = bytearray()
                 while piece := self.h.call(self.fs.read, fh, len(out), 3 * PS + 11):

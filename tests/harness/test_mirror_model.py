@@ -24,13 +24,9 @@ from typing import Any
 
 import trio
 import trio.testing
-from ckptfs.fs.cache.cache import Cache
-from ckptfs.fs.cache.journal import Journal
-from ckptfs.fs.content.arena import Arena
+from caches import make_cache, read_all
 from ckptfs.fs.content.cachedfile import CachedFile
 from ckptfs.fs.content.state import FileState, MirrorState
-from ckptfs.fs.store.blocking import BackingIO
-from ckptfs.fs.store.chunkstore import ChunkStore
 from ckptfs.fs.store.manifest import Manifest, new_id
 from ckptfs.peer.mirror.mirror import MirrorClient, MirrorServer
 from ckptfs.peer.transport.transport import Request, Response
@@ -123,20 +119,10 @@ class Link:
         pass
 
 
-def make_cache(root: Path, node: str) -> Cache:
-    arena = Arena(root / f"arena-{node}", 256 * PS, PS)
-    store = ChunkStore(root / "backing")
-    return Cache(arena, store, BackingIO(10), Journal(root / f"journal-{node}"), node=node)
-
-
-async def read_all(cache: Cache, f: CachedFile) -> bytes:
-    return bytes(await cache.read(f, 0, f.size))
-
-
 class World:
     def __init__(self, root: Path, yields: list[int]) -> None:
-        self.a = make_cache(root, "n1")
-        self.b = make_cache(root, "n2")
+        self.a = make_cache(root, "n1", capacity=256 * PS, slot_size=PS)
+        self.b = make_cache(root, "n2", capacity=256 * PS, slot_size=PS)
         self.server = MirrorServer(
             self.b,
             mirrored_for=("n1",),

@@ -12,6 +12,7 @@ from typing import Any
 
 import trio
 import trio.testing
+from caches import make_cache
 from ckptfs.fs.content.cachedfile import ChunkMap
 from ckptfs.fs.content.state import FileRole, FileState, MirrorState
 from ckptfs.fs.store.backing import Backing, Published
@@ -20,17 +21,8 @@ from ckptfs.fs.store.manifest import Manifest
 from ckptfs.peer.mirror import mirror as mirror_mod
 from ckptfs.peer.mirror.mirror import COMMIT, PAGE, RENAME, MirrorServer, page_digest
 from ckptfs.peer.transport.transport import Request, Response
-from conftest import write_store_manifest
-from test_mirror_unit import (
-    PS,
-    GatedLink,
-    commit,
-    durable,
-    make_cache,
-    mirror_client,
-    pending,
-    small_cache,
-)
+from manifests import write_store_manifest
+from mirrors import PS, GatedLink, commit, durable, mirror_client, pending, small_cache
 
 
 def _server(cache: Any, alive: dict[str, bool], manifest_at: Any) -> MirrorServer:
@@ -59,7 +51,7 @@ def test_a_rename_announced_while_a_takeover_looks_is_where_it_publishes(tmp_pat
     store.mkdir()
 
     async def main() -> None:
-        cache = make_cache(tmp_path)
+        cache = make_cache(tmp_path, "n2")
         data = os.urandom(1000)
         f = await _mirrored(cache, "m1", data, "tmp.pt")
         write_store_manifest(store / "tmp.pt", pending("f1", "v1", ["n1", "n2"]), backing=store)
@@ -93,7 +85,7 @@ def test_a_page_that_waited_for_room_while_its_writer_died_is_not_held(tmp_path:
     takeover looked at it already, leaves held for ever."""
 
     async def main() -> None:
-        cache = make_cache(tmp_path)
+        cache = make_cache(tmp_path, "n2")
         data = os.urandom(1000)
         f = await _mirrored(cache, "m1", data, "a.pt")
         alive = {"n1": True}
@@ -193,7 +185,7 @@ def test_the_sweep_keeps_a_mirror_renamed_while_it_looked(tmp_path: Path, monkey
     the mirror: the version is still pending at its new name."""
 
     async def main() -> None:
-        cache = make_cache(tmp_path)
+        cache = make_cache(tmp_path, "n2")
         f = await _mirrored(cache, "m1", os.urandom(1000), "a.pt")
         f.closed_at = time.time() - 2 * mirror_mod.SWEEP_AGE
 

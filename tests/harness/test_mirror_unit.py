@@ -13,30 +13,31 @@ from typing import Any
 
 import trio
 import trio.testing
+from caches import make_cache
 from ckptfs.fs.cache.cache import Cache
-from ckptfs.fs.cache.journal import Journal, record_of
-from ckptfs.fs.content.arena import Arena
+from ckptfs.fs.cache.journal import record_of
 from ckptfs.fs.content.cachedfile import CachedFile, ChunkMap
 from ckptfs.fs.content.state import FileRole, FileState, MirrorState, PageState
 from ckptfs.fs.store import backing as backing_mod
 from ckptfs.fs.store.backing import Backing, PlainFile, Published
 from ckptfs.fs.store.blocking import BackingIO
-from ckptfs.fs.store.chunkstore import ChunkStore
-from ckptfs.fs.store.manifest import MAGIC, Chunk, Manifest, new_id, read_manifest
+from ckptfs.fs.store.manifest import MAGIC, Chunk, Manifest, read_manifest
 from ckptfs.peer.mirror.mirror import COMMIT, DROP, PAGE, MirrorClient, MirrorServer, page_digest
 from ckptfs.peer.reads.reads import MOVED_ON, READ, ReadServer
 from ckptfs.peer.transport.transport import Request, Response
-from conftest import write_store_manifest
+from manifests import write_store_manifest
+from mirrors import (
+    PS,
+    GatedLink,
+    commit,
+    commit_request,
+    durable,
+    mirror_client,
+    pending,
+    small_cache,
+)
 
 MiB = 1 << 20
-
-
-def pending(file_id: str, version: str, holders: list[str]) -> Manifest:
-    return Manifest(file_id, version, 10, 0o644, 1, "pending", holders)
-
-
-def durable(file_id: str, version: str) -> Manifest:
-    return Manifest(file_id, version, 0, 0o644, 1, "durable", ["n2"])
 
 
 def test_a_takeover_publishes_only_over_the_version_it_mirrored(tmp_path: Path):
@@ -237,12 +238,6 @@ def entry(page: int, gen: int, data: bytes) -> list[int]:
     return [page, gen, len(data), page_digest(data, page, gen)]
 
 
-def make_cache(tmp_path: Path, name: str = "n2") -> Cache:
-    arena = Arena(tmp_path / f"arena-{name}", 8 * MiB)
-    store = ChunkStore(tmp_path / "backing")
-    return Cache(arena, store, BackingIO(10), Journal(tmp_path / f"journal-{name}"), node=name)
-
-
 async def _no_manifest(path: str) -> Manifest | None:
     return None
 
@@ -260,7 +255,7 @@ def buddy_of_n1(cache: Cache) -> MirrorServer:
 
 def test_a_mirror_serves_a_version_only_once_its_page_table_matches(tmp_path: Path):
     async def main() -> None:
-        cache = make_cache(tmp_path)
+        cache = make_cache(tmp_path, "n2")
         queued = []
         cache.on_pending = queued.append
         page0, page1 = os.urandom(MiB), os.urandom(1000)
@@ -309,7 +304,7 @@ def test_a_holder_whose_content_is_being_changed_says_so_to_a_reader(tmp_path: P
     writer died mid-change, is refused without."""
 
     async def main() -> None:
-        cache = make_cache(tmp_path)
+        cache = make_cache(tmp_path, "n2")
 
         async def local_read(file_id, version, off, n, into, writer):
             return await cache.read_held(file_id, version, off, n, into=into, writer=writer)
@@ -345,7 +340,7 @@ def test_a_holder_whose_content_is_being_changed_says_so_to_a_reader(tmp_path: P
 
 def test_a_full_mirror_quota_answers_busy_and_frees_on_drop(tmp_path: Path):
     async def main() -> None:
-        cache = make_cache(tmp_path)
+        cache = make_cache(tmp_path, "n2")
         cache.mirror_quota = 2
         page = memoryview(os.urandom(MiB))
         assert await cache.mirror_page("n1", "m1", "f1", 0, 1, page, timeout=1)
@@ -375,7 +370,7 @@ def test_a_batch_of_pages_is_held_up_to_the_quota_and_malformed_batches_change_n
     tmp_path: Path,
 ):
     async def main() -> None:
-        cache = make_cache(tmp_path)
+        cache = make_cache(tmp_path, "n2")
         cache.mirror_quota = 3
         server = buddy_of_n1(cache)
         pages = [os.urandom(MiB), os.urandom(MiB), os.urandom(MiB // 2)]
@@ -423,7 +418,7 @@ def test_a_batch_is_received_straight_into_reserved_slots_and_older_generations_
     tmp_path: Path,
 ):
     async def main() -> None:
-        cache = make_cache(tmp_path)
+        cache = make_cache(tmp_path, "n2")
         cache.mirror_quota = 4
         server = buddy_of_n1(cache)
         new0, new1, old0 = os.urandom(MiB), os.urandom(MiB // 3), os.urandom(MiB)
@@ -496,7 +491,7 @@ def test_a_batch_is_received_straight_into_reserved_slots_and_older_generations_
 
 def test_every_file_content_has_its_own_mirror_id_even_after_a_restart(tmp_path: Path):
     async def main() -> None:
-        cache = make_cache(tmp_path)
+        cache = make_cache(tmp_path, "n2")
         record = {
             "file_id": "f1", "version": "v1", "path": "a.pt", "size": 0, "mode": 0o644,
             "mtime_ns": 1, "dirty": {}, "spilled": {}, "base": [], "base_end": 0,
@@ -518,7 +513,7 @@ def test_the_same_generation_again_leaves_a_committed_mirror_committed(tmp_path:
     same generations: the version stays held (a takeover would flush it)."""
 
     async def main() -> None:
-        cache = make_cache(tmp_path)
+        cache = make_cache(tmp_path, "n2")
         page0, page1 = os.urandom(MiB), os.urandom(4321)
         assert await cache.mirror_page("n1", "m1", "f1", 0, 5, memoryview(page0), timeout=1)
         assert await cache.mirror_page("n1", "m1", "f1", 1, 6, memoryview(page1), timeout=1)
@@ -539,7 +534,7 @@ def test_the_same_generation_again_leaves_a_committed_mirror_committed(tmp_path:
 
 def test_a_page_waiting_for_room_frees_its_slot_whatever_happens_meanwhile(tmp_path: Path):
     async def main() -> None:
-        cache = make_cache(tmp_path)
+        cache = make_cache(tmp_path, "n2")
         cache.mirror_quota = 1
         page = memoryview(os.urandom(MiB))
         assert await cache.mirror_page("n1", "m1", "f1", 0, 1, page, timeout=1)
@@ -564,7 +559,7 @@ def test_peak_ram_counts_own_dirty_pages_and_mirrored_pages_apart(tmp_path: Path
     RAM a node needs is their sum; bench_buddy prints them)."""
 
     async def main() -> None:
-        cache = make_cache(tmp_path)  # 8 slots of 1 MiB
+        cache = make_cache(tmp_path, "n2")  # 8 slots of 1 MiB
         own = cache.new_file("f1", "v1", "own.pt", 0o644, 0, 0)
         await cache.write(own, 0, os.urandom(3 * MiB))
         page = memoryview(os.urandom(MiB))
@@ -661,7 +656,7 @@ def test_a_page_damaged_on_the_way_is_not_held_and_the_writer_is_told(tmp_path: 
     sends it again, and a takeover can never flush bytes nobody wrote."""
 
     async def main() -> None:
-        cache = make_cache(tmp_path)
+        cache = make_cache(tmp_path, "n2")
         cache.mirror_quota = 8
         server = buddy_of_n1(cache)
         good, bad, after = os.urandom(MiB), os.urandom(MiB), os.urandom(MiB // 2)
@@ -711,30 +706,6 @@ def test_a_page_damaged_on_the_way_is_not_held_and_the_writer_is_told(tmp_path: 
 # ----- late copies: what a commit superseded never undoes it --------------------
 
 
-def commit_request(
-    mid: str,
-    manifest: Manifest,
-    ram: dict[int, tuple[int, int]],
-    spilled: dict[int, Chunk] | None = None,
-    *,
-    floor: object,
-) -> Request:
-    """A writer's COMMIT of ``manifest`` (no "floor" field if ``floor`` is None)."""
-    body: dict[str, Any] = {
-        "manifest": manifest.to_bytes().decode(),
-        "path": "a.pt",
-        "uid": 0,
-        "gid": 0,
-        "ram": [[p, gen, fill] for p, (gen, fill) in ram.items()],
-        "spilled": [[p, c.offset, c.length, c.hash, c.length] for p, c in (spilled or {}).items()],
-        "base": [],
-        "base_end": 0,
-    }
-    if floor is not None:
-        body["floor"] = floor
-    return Request(COMMIT, {"mid": mid}, memoryview(json.dumps(body).encode()))
-
-
 def test_a_late_page_at_or_below_the_commits_floor_leaves_the_committed_version_held(
     tmp_path: Path,
 ):
@@ -747,7 +718,7 @@ def test_a_late_page_at_or_below_the_commits_floor_leaves_the_committed_version_
     page above the floor is a write after the commit: new content."""
 
     async def main() -> None:
-        cache = make_cache(tmp_path)
+        cache = make_cache(tmp_path, "n2")
         cache.mirror_quota = 8
         server = buddy_of_n1(cache)
         old0, new0, page1, page2 = (os.urandom(MiB) for _ in range(4))
@@ -814,7 +785,7 @@ def test_a_late_commit_never_replaces_a_newer_one_and_a_commit_needs_its_floor(t
     without a valid floor (a node older than this one) is malformed."""
 
     async def main() -> None:
-        cache = make_cache(tmp_path)
+        cache = make_cache(tmp_path, "n2")
         server = buddy_of_n1(cache)
         page0, page1 = os.urandom(MiB), os.urandom(1000)
         assert await cache.mirror_page("n1", "m1", "f1", 0, 5, memoryview(page0), timeout=1)
@@ -849,77 +820,6 @@ def test_a_late_commit_never_replaces_a_newer_one_and_a_commit_needs_its_floor(t
     trio.run(main)
 
 
-PS = 4096  # small pages for the writer-and-buddy tests below
-
-
-def small_cache(tmp_path: Path, name: str, node: str | None = None) -> Cache:
-    """Node ``node``'s cache (default ``name``), in files named after ``name``."""
-    arena = Arena(tmp_path / f"arena-{name}", 64 * PS, PS)
-    store = ChunkStore(tmp_path / "backing")
-    journal = Journal(tmp_path / f"journal-{name}")
-    return Cache(arena, store, BackingIO(10), journal, node=node or name)
-
-
-class GatedLink:
-    """The writer's PeerClient and connection in one, calling the buddy's
-    handler in-process. The first request of type ``hold`` waits at a gate
-    until ``open`` is set: a request the buddy handles late (the writer's
-    retry after "not alive", or the bytes of a connection the writer has
-    already replaced), with everything else going on meanwhile."""
-
-    def __init__(self, server: MirrorServer, hold: str | None) -> None:
-        self.server = server
-        self.hold = hold
-        self.held = trio.Event()  # the held request reached the gate
-        self.open = trio.Event()  # the test lets it through
-        self.handled = trio.Event()  # the buddy has handled it
-        self.closed = False
-        self.sent: list[str] = []  # the types of the requests made, in order
-
-    async def connect(self, host: str, port: int, *, expect_node: str, timeout: float) -> Any:
-        return self
-
-    async def request(
-        self,
-        rtype: str,
-        meta: dict[str, Any],
-        payload: bytes = b"",
-        *,
-        payload_file: list[tuple[int, int, int]] | None = None,
-        timeout: float | None = None,
-    ) -> Response:
-        if payload_file is not None:  # read now: the bytes that went on the wire
-            payload = b"".join(os.pread(fd, n, off) for fd, off, n in payload_file)
-        self.sent.append(rtype)
-        gated = rtype == self.hold and not self.held.is_set()
-        if gated:
-            self.held.set()
-            await self.open.wait()
-        response = await self.server.handle("n1", Request(rtype, meta, memoryview(payload)))
-        if gated:
-            self.handled.set()
-        return response
-
-    async def aclose(self) -> None:
-        pass
-
-
-def mirror_client(writer: Cache, link: GatedLink) -> MirrorClient:
-    """n1's mirror client over ``link``, wired to ``writer`` as the daemon does."""
-    client = MirrorClient(
-        writer,
-        link,  # type: ignore[arg-type]
-        node="n1",
-        buddy="n2",
-        address=("127.0.0.1", 9),
-        timeout=5,
-        is_alive=lambda name: True,
-    )
-    writer.on_page_changed = client.changed
-    writer.on_mirror_done = client.done
-    return client
-
-
 def writer_and_buddy(
     tmp_path: Path, hold: str | None
 ) -> tuple[Cache, Cache, MirrorClient, GatedLink]:
@@ -927,16 +827,6 @@ def writer_and_buddy(
     link = GatedLink(buddy_of_n1(buddy), hold)
     client = mirror_client(writer, link)
     return writer, buddy, client, link
-
-
-async def commit(cache: Cache, client: MirrorClient, f: CachedFile) -> list[str]:
-    """What FileSystem.commit does with the mirror (the manifest is not written)."""
-    async with f.commit_lock:
-        snap = cache.begin_publish(f, new_id())
-        manifest = Manifest(f.file_id, snap.version, snap.size, f.mode, f.mtime_ns)
-        snap.holders = await client.commit(snap, manifest)
-        cache.published(snap)
-        return snap.holders
 
 
 def test_a_streamed_batch_handled_after_the_commit_leaves_the_version_held(tmp_path: Path):
@@ -1299,7 +1189,7 @@ def test_a_mirror_dropped_while_a_handle_here_reads_its_version_is_kept_for_it(t
     with no handle here drops it; an open of such a version is sent back."""
 
     async def main() -> None:
-        cache = make_cache(tmp_path)
+        cache = make_cache(tmp_path, "n2")
         cache.peer_fetch = _unreachable_peers  # peers exist: pending elsewhere is REMOTE
         for n, version in enumerate(["", "v1"]):
             mid, data = f"m{n}", os.urandom(MiB + 77)
@@ -1351,7 +1241,7 @@ def test_a_drop_from_a_writer_dead_to_us_cannot_empty_a_mirror_a_takeover_flushe
     it reads back whole; it is never a file of holes published as durable."""
 
     async def main() -> None:
-        cache = make_cache(tmp_path)
+        cache = make_cache(tmp_path, "n2")
         queued: list[CachedFile] = []
         cache.on_pending = queued.append
         data = os.urandom(MiB + 1000)
@@ -1395,7 +1285,7 @@ def test_a_mirror_dropped_during_a_takeovers_look_is_not_taken_over(tmp_path: Pa
     are gone."""
 
     async def main() -> None:
-        cache = make_cache(tmp_path)
+        cache = make_cache(tmp_path, "n2")
         queued: list[CachedFile] = []
         cache.on_pending = queued.append
         data = os.urandom(1000)

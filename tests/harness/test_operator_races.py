@@ -24,12 +24,8 @@ from typing import Any
 import pytest
 import trio
 from ckptfs.fs.content.state import FileState
-from ckptfs.fs.namespace.filesystem import Caller
 from ckptfs.fs.namespace.inodes import ROOT
-from lifecycle_harness import BACKGROUND, Harness, audit
-from test_name_races import name_reads
-
-CALLER = Caller(0, 0)
+from lifecycle_harness import BACKGROUND, CALLER, Harness, audit, name_reads
 
 
 def create_during(h: Harness, operator: Callable[[], Awaitable[Any]], name: str) -> int:

@@ -12,7 +12,6 @@ import logging
 import shutil
 import socket
 import subprocess
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from ckptfs.peer.config import (
 )
 from ckptfs.peer.membership.membership import HEARTBEAT, Membership, Status
 from ckptfs.peer.transport.transport import Request, Response, serve
+from waits import run_bounded, until
 
 SECRET = b"membership-test-secret-0123456789"
 HEARTBEAT_S = 0.1
@@ -233,14 +233,6 @@ def test_tls_contexts(secret: Path, tmp_path: Path) -> None:
 # ------------------------------------------------------------------ membership
 
 
-def run(fn: Callable[[], Awaitable[None]], timeout: float = 30.0) -> None:
-    async def bounded() -> None:
-        with trio.fail_after(timeout):
-            await fn()
-
-    trio.run(bounded)
-
-
 def free_ports(n: int) -> list[int]:
     """Ports the kernel just handed out; the servers bind them right after."""
     sockets = [socket.socket() for _ in range(n)]
@@ -320,13 +312,6 @@ async def wait_all(nodes: list[Node], peer: str, *, alive: bool, timeout: float)
         assert reached, f"{node.name} does not see {peer} {state}: {node.membership.stats()}"
 
 
-async def until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    with trio.move_on_after(timeout):
-        while not predicate():
-            await trio.sleep(0.01)
-    assert predicate(), f"timed out after {timeout}s waiting for {what}"
-
-
 def refused_by_hash(node: Node, peer: str) -> bool:
     return "cluster hash mismatch" in (node.membership.peer(peer).last_error or "")
 
@@ -401,8 +386,8 @@ def test_three_nodes_dead_and_alive_again(secret: Path, caplog: pytest.LogCaptur
                     and refused_by_hash(n2, "n3")
                     and refusals(caplog) >= 6
                 ),
-                3 * SETTLE,
                 "refusals by the impostor",
+                3 * SETTLE,
             )
             await impostor.stop_server()
             for node in (n1, n2):
@@ -416,7 +401,7 @@ def test_three_nodes_dead_and_alive_again(secret: Path, caplog: pytest.LogCaptur
                 assert last_event(node, "n3") == ("alive", "n3")
             nursery.cancel_scope.cancel()
 
-    run(main)
+    run_bounded(main)
     messages = [r.getMessage() for r in caplog.records]
     # Both sides of a refused handshake say why.
     assert any("refusing peer connection: cluster hash mismatch" in m for m in messages)
@@ -437,8 +422,8 @@ def test_node_with_another_node_list_never_joins(secret: Path) -> None:
             await wait_all(nodes, "n2", alive=True, timeout=SETTLE)
             # Never answered: unknown -> dead after the timeout, with on_dead.
             dead = {("dead", "n1"), ("dead", "n2")}
-            await until(lambda: dead <= set(stranger.events), TIMEOUT_S + SETTLE, "deaths")
-            await until(lambda: refused_by_hash(stranger, "n1"), 3 * SETTLE, "refusals")
+            await until(lambda: dead <= set(stranger.events), "deaths", TIMEOUT_S + SETTLE)
+            await until(lambda: refused_by_hash(stranger, "n1"), "refusals", 3 * SETTLE)
             assert set(stranger.events) == dead
             assert stranger.membership.alive_nodes() == ["n4"]
             for node in nodes:  # n4 is no peer of theirs: not even listed
@@ -446,7 +431,7 @@ def test_node_with_another_node_list_never_joins(secret: Path) -> None:
                 assert "n4" not in node.membership.alive_nodes()
             nursery.cancel_scope.cancel()
 
-    run(main)
+    run_bounded(main)
 
 
 def test_stalled_peer_is_declared_dead_without_hanging(secret: Path) -> None:
@@ -469,7 +454,7 @@ def test_stalled_peer_is_declared_dead_without_hanging(secret: Path) -> None:
             # Heartbeats go on, each bounded by the timeout, and fail.
             failures = n1.membership.peer("n2").failures
             await until(
-                lambda: n1.membership.peer("n2").failures >= failures + 2, 3 * TIMEOUT_S, ""
+                lambda: n1.membership.peer("n2").failures >= failures + 2, "failures", 3 * TIMEOUT_S
             )
             assert "timed out" in (n1.membership.peer("n2").last_error or "")
             n2.hang_heartbeats = False
@@ -477,7 +462,7 @@ def test_stalled_peer_is_declared_dead_without_hanging(secret: Path) -> None:
             assert last_event(n1, "n2") == ("alive", "n2")
             nursery.cancel_scope.cancel()
 
-    run(main)
+    run_bounded(main)
 
 
 def test_heartbeat_from_a_non_peer_is_refused(secret: Path) -> None:
@@ -490,4 +475,4 @@ def test_heartbeat_from_a_non_peer_is_refused(secret: Path) -> None:
         response = await node.membership.handle_heartbeat("n2", request)
         assert response.ok and response.meta["node"] == "n1"
 
-    run(main)
+    run_bounded(main)

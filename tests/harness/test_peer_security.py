@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import trio
+from caches import make_cache
 from ckptfs.fs.store.manifest import Manifest
 from ckptfs.peer.config import Address
 from ckptfs.peer.mirror.mirror import DROP, RENAME, MirrorServer
@@ -33,8 +34,8 @@ from ckptfs.peer.transport.transport import (
     connect,
     serve,
 )
-from test_mirror_unit import commit_request, make_cache
-from test_peer_transport import CLUSTER, LOGGER, SECRET, RawPeer, echo, run, wait_for_log
+from mirrors import commit_request
+from peerwire import CLUSTER, LOGGER, SECRET, RawPeer, echo, run, wait_for_log
 
 MiB = 1 << 20
 
@@ -342,7 +343,7 @@ def test_reply_buffers_of_peer_reads_count_against_the_budget() -> None:
 
 def buddy_n2(tmp_path: Path, manifests: dict[str, Manifest] | None = None) -> MirrorServer:
     """n2, the buddy of n1 and n3 (buddies {n1: n2, n3: n2}), over a fresh cache."""
-    cache = make_cache(tmp_path)
+    cache = make_cache(tmp_path, "n2")
 
     async def manifest_at(path: str) -> Manifest | None:
         if manifests is None or path not in manifests:

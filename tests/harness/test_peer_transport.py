@@ -38,31 +38,11 @@ from ckptfs.peer.transport.transport import (
     serve,
 )
 from ckptfs.peer.transport.wire import FrameType, ProtocolError
+from peerwire import CLUSTER, LOGGER, SECRET, RawPeer, echo, run, wait_for_log
 
-SECRET = b"test-secret-0123456789abcdef"
-CLUSTER = "cluster-3f2a9c"
 MiB = 1024 * 1024
 # Short deadlines so that hostile-peer tests finish quickly.
 FAST = Limits(handshake_timeout=0.5, frame_timeout=0.5, max_unauthenticated=8)
-LOGGER = "ckptfs.peer"
-
-
-def run(fn: Callable[[], Awaitable[None]], timeout: float = 20.0) -> None:
-    async def bounded() -> None:
-        try:
-            with trio.fail_after(timeout):
-                await fn()
-        finally:
-            while RawPeer.opened:
-                await trio.aclose_forcefully(RawPeer.opened.pop().stream)
-
-    trio.run(bounded)
-
-
-async def echo(peer: str, request: Request) -> Response:
-    return Response(
-        meta={"peer": peer, "type": request.type, **request.meta}, payload=request.payload
-    )
 
 
 @asynccontextmanager
@@ -105,82 +85,12 @@ def client(port: int, **overrides: Any) -> Any:
     return connect("127.0.0.1", port, **kwargs)
 
 
-class RawPeer:
-    """A hand-driven peer: sends arbitrary bytes, reads frames with wire.py."""
-
-    opened: list[RawPeer] = []  # closed by run() at the end of each test
-
-    def __init__(self, stream: trio.SocketStream) -> None:
-        self.stream = stream
-        self.buffer = bytearray()
-        RawPeer.opened.append(self)
-
-    @classmethod
-    async def open(cls, port: int) -> RawPeer:
-        return cls(await trio.open_tcp_stream("127.0.0.1", port))
-
-    async def send(self, data: bytes) -> None:
-        await self.stream.send_all(data)
-
-    async def send_frame(
-        self, ftype: FrameType, request_id: int, meta: dict[str, Any], payload: bytes = b""
-    ) -> None:
-        await self.send(wire.encode_frame(ftype, request_id, meta, payload))
-
-    async def _read_exact(self, n: int) -> bytes | None:
-        while len(self.buffer) < n:
-            try:
-                data = await self.stream.receive_some()
-            except trio.BrokenResourceError:  # reset: the server closed with unread data
-                data = b""
-            if not data:
-                return None
-            self.buffer += data
-        out, self.buffer = bytes(self.buffer[:n]), self.buffer[n:]
-        return out
-
-    async def receive_frame(self) -> wire.Frame | None:
-        head = await self._read_exact(wire.HEADER_SIZE)
-        if head is None:
-            return None
-        header = wire.decode_header(head)
-        rest = await self._read_exact(header.meta_len + header.payload_len)
-        assert rest is not None, "server cut a frame short"
-        return wire.decode_frame(head + rest)
-
-    async def frames_until_closed(self) -> list[wire.Frame]:
-        frames = []
-        while (frame := await self.receive_frame()) is not None:
-            frames.append(frame)
-        return frames
-
-    async def send_control(self, ftype: FrameType, meta: dict[str, Any]) -> None:
-        await self.send_frame(ftype, 0, meta)
-
-    async def receive_control(self) -> tuple[FrameType, dict[str, Any]]:
-        frame = await self.receive_frame()
-        assert frame is not None
-        return frame.header.type, frame.meta
-
-    async def aclose(self) -> None:
-        await self.stream.aclose()
-
-
 async def authenticated_raw(port: int) -> RawPeer:
     raw = await RawPeer.open(port)
     await auth.client_handshake(
         raw, node="raw", expect_node="srv", secret=SECRET, cluster_hash=CLUSTER
     )
     return raw
-
-
-async def wait_for_log(caplog: pytest.LogCaptureFixture, *parts: str) -> str:
-    while True:
-        for record in caplog.records:
-            message = record.getMessage()
-            if all(part in message for part in parts):
-                return message
-        await trio.sleep(0.01)
 
 
 def header_bytes(ftype: int, request_id: int, meta_len: int, payload_len: int) -> bytes:

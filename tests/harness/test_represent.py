@@ -2,7 +2,7 @@
 filling frames from a representative over a real loopback connection (one
 store read for many requests, verified, a mismatch falls back to the store).
 
-The mounted, four-daemon version is tests/test_peers_restore.py.
+The mounted, four-daemon version is tests/cluster/test_peers_restore.py.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from ckptfs.fs.store.chunkstore import ChunkStore, chunk_hash
 from ckptfs.fs.store.manifest import Chunk
 from ckptfs.peer.reads.represent import ChunkServer, RepresentativeFetch, _parse, representative
 from ckptfs.peer.transport.transport import PeerClient, Request, Response, serve
+from waits import run_bounded
 
 SECRET = b"test-secret-0123456789abcdef"
 CLUSTER = "cluster-rep"
@@ -126,14 +127,6 @@ async def with_cluster(tmp_path: Path, test, *, corrupt: bool = False) -> None:
         nursery.cancel_scope.cancel()
 
 
-def run(fn, timeout: float = 30.0) -> None:
-    async def bounded() -> None:
-        with trio.fail_after(timeout):
-            await fn()
-
-    trio.run(bounded)
-
-
 def test_a_chunk_is_read_once_by_its_representative_for_concurrent_readers(tmp_path) -> None:
     async def test(srv: Side, cli: Side, fetch: RepresentativeFetch, server: ChunkServer) -> None:
         chunk, data = chunk_for("srv", ["cli", "srv"])
@@ -154,7 +147,7 @@ def test_a_chunk_is_read_once_by_its_representative_for_concurrent_readers(tmp_p
         cli.store.put(own.hash, own_data)
         assert await cli.read(own) == own_data and cli.frames.reads == 1
 
-    run(lambda: with_cluster(tmp_path, test))
+    run_bounded(lambda: with_cluster(tmp_path, test))
 
 
 async def _append(out: list[bytes], coro) -> None:
@@ -172,7 +165,7 @@ def test_bytes_that_do_not_match_the_hash_fall_back_to_the_store(tmp_path, caplo
         assert cli.frames.reads == 1  # read from its own store instead
         assert "do not match the hash" in caplog.text and "representative srv" in caplog.text
 
-    run(lambda: with_cluster(tmp_path, test, corrupt=True))
+    run_bounded(lambda: with_cluster(tmp_path, test, corrupt=True))
 
 
 def test_a_representative_that_cannot_read_the_chunk_is_a_fallback(tmp_path, caplog) -> None:
@@ -188,7 +181,7 @@ def test_a_representative_that_cannot_read_the_chunk_is_a_fallback(tmp_path, cap
         srv.store.put(other.hash, other_data)
         assert await cli.read(other) == other_data and fetch.chunks_fetched == 1
 
-    run(lambda: with_cluster(tmp_path, test))
+    run_bounded(lambda: with_cluster(tmp_path, test))
 
 
 def test_a_read_the_asking_node_gave_up_on_serves_its_next_request(tmp_path) -> None:
@@ -235,4 +228,4 @@ def test_a_read_the_asking_node_gave_up_on_serves_its_next_request(tmp_path) -> 
             assert fetch.fallbacks == 0 and fetch.chunks_fetched == 1
             nursery.cancel_scope.cancel()
 
-    run(lambda: with_cluster(tmp_path, test))
+    run_bounded(lambda: with_cluster(tmp_path, test))

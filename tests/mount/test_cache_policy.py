@@ -6,6 +6,7 @@ import os
 import time
 
 from ckptfs.fs.store.manifest import read_manifest
+from waits import wait_for
 
 
 def files_by_path(stat: dict) -> dict[str, dict]:
@@ -135,10 +136,11 @@ def test_an_operators_flush_and_the_umount_do_not_wait_out_flush_settle(mounts):
     assert m.file_state("a.bin") == "durable"
     (m.mnt / "b.bin").write_bytes(os.urandom(1 << 20))
     m.cli("flush", str(m.mnt))  # without --wait: starts it
-    deadline = time.monotonic() + 60
-    while m.file_state("b.bin") != "durable":
-        assert time.monotonic() < deadline, m.file_state("b.bin")
-        time.sleep(0.05)
+    wait_for(
+        lambda: m.file_state("b.bin") == "durable",
+        60,
+        lambda: f"b.bin durable, not {m.file_state('b.bin')}",
+    )
     (m.mnt / "c.bin").write_bytes(os.urandom(1 << 20))
     m.umount()
     assert time.monotonic() - start < 120  # not 600 s per file
@@ -146,11 +148,11 @@ def test_an_operators_flush_and_the_umount_do_not_wait_out_flush_settle(mounts):
 
 
 def wait_prefault(m, timeout: float = 30) -> dict:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while (s := m.stat())["cache"]["prefault"] == "running":
-        assert time.monotonic() < deadline, s["cache"]
-        time.sleep(0.05)
-    return s["cache"]
+    return wait_for(
+        lambda: (cache := m.stat()["cache"])["prefault"] != "running" and cache,
+        timeout,
+        lambda: f"the prefault pass to end: {m.stat()['cache']}",
+    )
 
 
 def test_stat_names_where_the_prefault_pass_is(mounts):

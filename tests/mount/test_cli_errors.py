@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 from ckptfs.fs.config import ConfigError, load_config, parse_size
-from conftest import process_gone
+from mounts import process_gone
+from waits import wait_for
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -70,12 +71,9 @@ def test_mountpoint_already_mounted(mounted):
 def test_mountpoint_left_dead_by_a_killed_daemon(mounted):
     """It was a Python traceback (ENOTCONN from the mountpoint's stat)."""
     import signal
-    import time
 
     os.kill(mounted.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while not process_gone(mounted.pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: process_gone(mounted.pid), 10, "the killed daemon's exit")
     proc = run("mount", str(mounted.mnt), "--backing", str(mounted.backing), env=mounted.env)
     assert_one_line_error(proc, "dead ckptfs mount", "fusermount3 -u -z", str(mounted.mnt))
 

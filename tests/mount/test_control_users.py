@@ -8,46 +8,34 @@ import json
 import os
 import resource
 import socket
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
-from conftest import Mount, is_mounted, process_gone
 from hostile import flood
+from mounts import Mount, is_mounted, process_gone
+from users import OTHER, USER, run_as
+from waits import wait_for
 
-USER = 65534  # nobody: the hostile user
-OWNER = 65533  # an ordinary user who owns a mountpoint
+OWNER = OTHER  # an ordinary user who owns a mountpoint; USER is the hostile one
 
-# Imported as root, before the child drops to the user (the interpreter's
-# directories may be root's alone).
-PRELUDE = """
+# Imported as root, before the child drops to the user: no torch.
+IMPORTS = """
 import contextlib, io, json, os, sys, time
 from ckptfs.tools import cli, control
-uid = int(sys.argv[1])
-os.setgroups([]); os.setgid(uid); os.setuid(uid)
 """
 
 
-def as_user(uid: int, code: str, *args: str, timeout: float = 60) -> Any:
-    """Run ``code`` as ``uid``; it prints one JSON value, which is returned."""
-    proc = subprocess.run(
-        [sys.executable, "-c", PRELUDE + textwrap.dedent(code), str(uid), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, f"as {uid} failed:\n{proc.stderr}{proc.stdout}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def as_user(uid: int, code: str, *args: str) -> Any:
+    """Run ``code`` as ``uid`` (its group the same number); see users.run_as."""
+    return run_as(uid, uid, code, *args, imports=IMPORTS, timeout=60)
 
 
 # `ckptfs ARGS...` through the CLI in this process: exit code, stdout, stderr, seconds.
 CLI = """
-    os.environ["CKPTFS_RUN_DIR"] = sys.argv[2]
+    os.environ["CKPTFS_RUN_DIR"] = sys.argv[3]
     results = []
-    for args in json.loads(sys.argv[3]):
+    for args in json.loads(sys.argv[4]):
         out, err = io.StringIO(), io.StringIO()
         start = time.monotonic()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -96,10 +84,9 @@ def wait_read_ahead_set(mountpoint: Path, kb: int = 1024, timeout: float = 10.0)
     with open("/proc/self/mountinfo") as mountinfo:
         device = next(line.split()[2] for line in mountinfo if line.split()[4] == str(mountpoint))
     knob = Path(f"/sys/class/bdi/{device}/read_ahead_kb")
-    deadline = time.monotonic() + timeout
-    while int(knob.read_text()) != kb:
-        assert time.monotonic() < deadline, f"read-ahead of {mountpoint} never reached {kb} KiB"
-        time.sleep(0.05)
+    wait_for(
+        lambda: int(knob.read_text()) == kb, timeout, f"read-ahead of {mountpoint} at {kb} KiB"
+    )
     time.sleep(0.3)  # its last check of the value
 
 
@@ -139,8 +126,8 @@ def test_holds_is_answered_to_root_alone_here(shared_mounts):
     m.mount()
     (m.mnt / "f").write_bytes(b"x" * 100)
     ask = """
-        reply = control.request(control.Path(sys.argv[2]), {"op": "holds", "files": [["a", "b"]]},
-                                run=control.Path(sys.argv[3]))
+        reply = control.request(control.Path(sys.argv[3]), {"op": "holds", "files": [["a", "b"]]},
+                                run=control.Path(sys.argv[4]))
         print(json.dumps(reply))
     """
     reply = as_user(USER, ask, str(m.mnt), str(m.run_dir))
@@ -163,10 +150,10 @@ def test_stat_names_a_file_only_to_its_owner_and_root(shared_mounts):
     job.mkdir()
     os.chown(job, USER, USER)
     mine = """
-        with open(sys.argv[2] + "/mine.pt", "wb") as out:
+        with open(sys.argv[3] + "/mine.pt", "wb") as out:
             out.write(os.urandom(200_000))
         try:
-            os.listdir(sys.argv[3])
+            os.listdir(sys.argv[4])
             listing = "allowed"
         except PermissionError:
             listing = "EACCES"

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 from ckptfs.fs.store.chunkstore import ChunkStore
 from ckptfs.fs.store.manifest import read_manifest
-from test_chunking import safetensors_bytes
+from data import safetensors_bytes
+from waits import wait_for
 
 
 def store_bytes(backing: Path) -> int:
@@ -88,9 +89,7 @@ def test_retention_keeps_last_n_and_audits_each_deletion(mounts, tmp_path):
         torch.save({"w": torch.full((1000,), float(step))}, d / "model.pt")
         (d / "trainer_state.json").write_text(f'{{"step": {step}}}')
         m.wait_durable()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and len(os.listdir(m.backing / "run")) > 3:
-        time.sleep(0.1)
+    wait_for(lambda: len(os.listdir(m.backing / "run")) <= 3, 30, "retention's deletions")
     assert sorted(os.listdir(m.backing / "run")) == [
         "checkpoint-300",
         "checkpoint-400",

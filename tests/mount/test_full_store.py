@@ -9,7 +9,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import Mount, is_mounted, wait_for
+from mounts import Mount, is_mounted
+from waits import wait_for
 
 MiB = 1 << 20
 

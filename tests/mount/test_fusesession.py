@@ -32,14 +32,12 @@ from ckptfs.fs.fuse import mount as fusemount
 from ckptfs.fs.fuse.abi import Op
 from ckptfs.fs.fuse.session import FuseError, Handlers, Request, Session
 from ckptfs.fs.interrupts import interruptible
+from mounts import is_mounted
 
 TIMEOUT = 20
+# Where a child finds this module and the helpers it imports.
+SEARCH_PATH = (Path(__file__).parent, Path(__file__).parents[1] / "support")
 DIRS = 1 << 40  # Tiny's inode numbers of directories start here
-
-
-def _is_mounted(path: Path) -> bool:
-    with open("/proc/self/mounts") as mounts:
-        return any(line.split()[1] == str(path) for line in mounts)
 
 
 @dataclass
@@ -229,7 +227,7 @@ def served(
         fusemount.unmount(str(mnt))
         session.close()
         thread.join(TIMEOUT)
-        assert not _is_mounted(mnt)
+        assert not is_mounted(mnt)
         assert not errors, errors  # the session ends without an exception
 
 
@@ -237,7 +235,7 @@ def test_a_mount_answers_inline_and_through_workers(tmp_path: Path) -> None:
     data = os.urandom(3 << 20)
     tiny = Tiny(data)
     with served(tmp_path, tiny) as (mnt, session, _):
-        assert _is_mounted(mnt)
+        assert is_mounted(mnt)
         assert stat.S_ISDIR(os.stat(mnt).st_mode)
         assert (mnt / "f").read_bytes() == data  # LOOKUP, GETATTR, READs on the loop
         with pytest.raises(FileNotFoundError):
@@ -259,13 +257,6 @@ def test_a_mount_answers_inline_and_through_workers(tmp_path: Path) -> None:
         assert err.value.errno == errno.EIO
         c = session.counters
         assert tiny.fast_opens >= 2 and c.fast >= 2 and c.stateless >= 2 and c.handled >= 4
-
-
-def _wait_for(cond: Any) -> None:
-    deadline = time.monotonic() + TIMEOUT
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 def test_a_declined_fast_path_is_answered_by_the_loop(tmp_path: Path) -> None:
@@ -436,7 +427,7 @@ def test_an_unmount_from_outside_ends_the_session(tmp_path: Path) -> None:
         trio.run(main)  # returns once run() has seen the connection end
     finally:
         session.close()
-    assert not _is_mounted(mnt)
+    assert not is_mounted(mnt)
 
 
 def test_an_unprivileged_mount_goes_through_fusermount3(tmp_path: Path) -> None:
@@ -456,7 +447,7 @@ def test_an_unprivileged_mount_goes_through_fusermount3(tmp_path: Path) -> None:
         _mount_as_nobody(home / "mnt")
     finally:
         os.chmod("/dev/fuse", mode)
-        if _is_mounted(home / "mnt"):
+        if is_mounted(home / "mnt"):
             fusemount.unmount(str(home / "mnt"))
         shutil.rmtree(home, ignore_errors=True)
 
@@ -465,7 +456,7 @@ def _mount_as_nobody(mnt: Path) -> None:
     code = textwrap.dedent(
         """
         import os, sys, threading, trio
-        sys.path.insert(0, sys.argv[2])
+        sys.path[:0] = sys.argv[2:]
         from test_fusesession import Tiny
         from ckptfs.fs.fuse import mount as fusemount
         from ckptfs.fs.fuse.session import Session
@@ -487,14 +478,14 @@ def _mount_as_nobody(mnt: Path) -> None:
         """
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code, str(mnt), str(Path(__file__).parent)],
+        [sys.executable, "-c", code, str(mnt), *(str(p) for p in SEARCH_PATH)],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["as", "nobody", "True"]
-    assert not _is_mounted(mnt)
+    assert not is_mounted(mnt)
 
 
 def _bounded(fn: Any, *args: Any) -> BaseException | None:
@@ -524,14 +515,14 @@ def test_a_handler_bug_still_answers_the_caller(tmp_path: Path) -> None:
             assert isinstance(err, OSError) and err.errno == errno.EIO, (name, err)
         err = _bounded(os.rmdir, mnt / "rm39")  # a real errno goes through
         assert isinstance(err, OSError) and err.errno == errno.ENOTEMPTY
-        assert _is_mounted(mnt)
+        assert is_mounted(mnt)
 
 
 @contextmanager
 def fusectl() -> Iterator[Path]:
     """/sys/fs/fuse/connections, mounted for the test if it is not."""
     where = Path("/sys/fs/fuse/connections")
-    ours = not _is_mounted(where)
+    ours = not is_mounted(where)
     if ours:
         proc = subprocess.run(["mount", "-t", "fusectl", "fusectl", str(where)], check=False)
         if proc.returncode != 0:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Mount, is_mounted
+from mounts import Mount, is_mounted
 
 USER, GROUP = 65534, 65534
 

@@ -20,7 +20,6 @@ import errno
 import hashlib
 import os
 import random
-import select
 import shutil
 import signal
 import subprocess
@@ -33,12 +32,13 @@ from pathlib import Path
 
 import pytest
 import trio
+from children import TIMEOUT, go, interrupt, next_line, stop
 from ckptfs.fs import interrupts
-from conftest import Mount, wait_for
 from countingfs import CountingMount, counting_mount
+from mounts import Mount, fuse_requests
+from waits import wait_for
 
 MiB = 1 << 20
-TIMEOUT = 60
 
 WRITER = textwrap.dedent(
     """
@@ -87,32 +87,6 @@ def spawn_writer(path: Path, expected: Path, size: int) -> subprocess.Popen[str]
     return writer
 
 
-def next_line(writer: subprocess.Popen[str], timeout: float = TIMEOUT) -> str:
-    """The writer's next line of output, waited for at most ``timeout`` seconds."""
-    assert writer.stdout is not None
-    ready, _, _ = select.select([writer.stdout], [], [], timeout)
-    assert ready, f"the writer printed nothing within {timeout}s"
-    return writer.stdout.readline().strip()
-
-
-def interrupt(writer: subprocess.Popen[str], line: str) -> float:
-    """SIGINT, then the seconds until the writer printed ``line``."""
-    start = time.monotonic()
-    writer.send_signal(signal.SIGINT)
-    assert next_line(writer) == line
-    return time.monotonic() - start
-
-
-def requests(m: Mount) -> dict[str, int]:
-    return dict(m.stat()["fuse"]["requests"])
-
-
-def stop(writer: subprocess.Popen[str]) -> None:
-    if writer.poll() is None:
-        writer.kill()
-        writer.wait(10)
-
-
 def reads_back(m: Mount, rel: str, expected: bytes) -> None:
     """The whole file, now, after a flush and again from a cold cache."""
     assert (m.mnt / rel).read_bytes() == expected
@@ -152,7 +126,7 @@ def test_ctrl_c_ends_a_save_waiting_for_a_hung_store(store, mounts, tmp_path):
     with save_while_the_store_hangs(store, m, expected) as writer:
         # A signal that does not ask the job to stop leaves the write waiting.
         writer.send_signal(signal.SIGUSR1)
-        wait_for(lambda: requests(m)["signals_ignored"] >= 1, TIMEOUT, "the ignored signal")
+        wait_for(lambda: fuse_requests(m)["signals_ignored"] >= 1, TIMEOUT, "the ignored signal")
         time.sleep(0.5)
         assert writer.poll() is None
         assert m.stat()["cache"]["waiting_writers"] >= 1
@@ -166,7 +140,7 @@ def test_ctrl_c_ends_a_save_waiting_for_a_hung_store(store, mounts, tmp_path):
         assert took < 5, took
         writer.wait(10)
         assert m.stat()["cache"]["waiting_writers"] == 0
-        assert requests(m)["interrupts"] >= 2
+        assert fuse_requests(m)["interrupts"] >= 2
     data = expected.read_bytes()
     written = (m.mnt / "ckpt.pt").stat().st_size
     assert 0 < written < len(data)
@@ -250,12 +224,6 @@ def spawn_reader(path: Path, how: str) -> subprocess.Popen[str]:
     return reader
 
 
-def go(reader: subprocess.Popen[str]) -> None:
-    assert reader.stdin is not None
-    reader.stdin.write("go\n")
-    reader.stdin.flush()
-
-
 @contextmanager
 def evicted_while_the_store_hangs(
     store: CountingMount, m: Mount, data: bytes, readers: list[str]
@@ -308,7 +276,7 @@ def test_ctrl_c_ends_a_read_waiting_for_a_hung_store(store, mounts):
         assert took < 5, took
         time.sleep(1)
         assert patient.poll() is None  # it waits for the store, not fails
-        assert requests(m)["interrupts"] >= 3
+        assert fuse_requests(m)["interrupts"] >= 3
         # The first reader's read goes on for the patient one, and shows.
         assert m.stat()["cache"]["chunk_reads_left_running"] >= 1
         assert "still running for other readers" in m.cli("stat", str(m.mnt)).stdout

@@ -18,15 +18,14 @@ import pytest
 import trio
 from ckptfs.fs.content.state import FileState
 from ckptfs.fs.fuse.kernelpages import KernelPages
-from ckptfs.fs.namespace.filesystem import Caller, SetAttr
+from ckptfs.fs.namespace.filesystem import SetAttr
 from ckptfs.fs.namespace.inodes import ROOT
 from ckptfs.fs.namespace.kernelpages import HEAD, TAIL, KernelCache, pieces
-from conftest import Mount
-from lifecycle_harness import Harness
+from lifecycle_harness import CALLER, Harness
+from mounts import Mount
 
 MiB = 1 << 20
 PAGE = mmap.PAGESIZE
-CALLER = Caller(0, 0)
 
 
 def test_the_pieces_are_the_head_and_a_page_aligned_tail():

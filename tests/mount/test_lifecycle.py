@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import random
 import subprocess
 import sys
 import threading
@@ -23,27 +22,12 @@ import pytest
 import torch
 from ckptfs.fs.store.chunkstore import ChunkStore, chunk_hash
 from ckptfs.fs.store.manifest import Chunk, Manifest, new_id, read_manifest
-from conftest import wait_for, write_store_manifest
+from data import rand
+from manifests import write_store_manifest
+from tensors import assert_same, state_dict
+from waits import wait_for
 
 MiB = 1 << 20
-
-
-def rand(size: int, seed: int) -> bytes:
-    return random.Random(seed).randbytes(size)
-
-
-def state_dict(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    sd = {f"layer{i}.weight": torch.randn(512, 512, generator=g) for i in range(6)}
-    sd["step"] = torch.tensor(seed)
-    sd["ids"] = torch.arange(10**6)
-    return sd
-
-
-def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
 
 
 def exported(m, name: str, dest: Path) -> bytes:  # noqa: ANN001 - a conftest Mount
@@ -58,7 +42,7 @@ def test_resume_cycles_keep_the_checkpoint_durable(mounts, tmp_path):
     """save, umount; then three times: mount, load (plain and mmap), flush --wait, umount."""
     m = mounts()
     m.mount()
-    sd = state_dict(1)
+    sd = state_dict(1, layers=6, numel=512 * 512)
     torch.save(sd, m.mnt / "x.pt")
     m.umount()
     first = read_manifest(m.backing / "x.pt")

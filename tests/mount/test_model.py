@@ -13,12 +13,12 @@ compared byte for byte.
 from __future__ import annotations
 
 import os
-import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from ckptfs.tools.control import request
+from data import rand
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -43,10 +43,6 @@ def outcome(fn, *args):
         return ("ok", fn(*args))
     except OSError as exc:
         return ("err", exc.errno)
-
-
-def blob(seed: int, size: int) -> bytes:
-    return random.Random(seed).randbytes(size)
 
 
 @dataclass
@@ -88,14 +84,14 @@ class FsModel(RuleBasedStateMachine):
     # ----- whole-file and path operations ----------------------------------------
     @rule(d=DIRS, name=NAMES, size=SIZES, seed=st.integers(0, 1 << 30))
     def write_file(self, d, name, size, seed):
-        data = blob(seed, size)
+        data = rand(size, seed)
         self.both(lambda p: p.write_bytes(data), f"{d}/{name}")
 
     @rule(d=DIRS, seed=st.integers(0, 1 << 30))
     def checkpoint_burst(self, d, seed):
         """Three 6 MiB files at once, more than the cache holds while the store is slow."""
         for i, name in enumerate(("a", "b", "c")):
-            data = blob(seed + i, 6 * MiB)
+            data = rand(6 * MiB, seed + i)
             self.both(lambda p, data=data: p.write_bytes(data), f"{d}/{name}")
 
     @rule(
@@ -107,7 +103,7 @@ class FsModel(RuleBasedStateMachine):
         mode=st.sampled_from(["w-keep", "rw"]),
     )
     def pwrite(self, d, name, off, size, seed, mode):
-        data = blob(seed, size)
+        data = rand(size, seed)
 
         def op(p: Path) -> int:
             fd = os.open(p, FLAGS[mode], 0o644)
@@ -165,7 +161,7 @@ class FsModel(RuleBasedStateMachine):
     @rule(data=st.data(), off=OFFSETS, size=SIZES, seed=st.integers(0, 1 << 30))
     def held_pwrite(self, data, off, size, seed):
         h = data.draw(st.sampled_from([h for h in self.held if h.mode != "r"]))
-        payload = blob(seed, size)
+        payload = rand(size, seed)
         self.on_held(h, lambda fd: os.pwrite(fd, payload, off))
 
     @precondition(lambda self: any(h.mode.startswith(("rw", "r")) for h in self.held))
@@ -195,7 +191,7 @@ class FsModel(RuleBasedStateMachine):
 
     @rule(d=DIRS, name=NAMES, seed=st.integers(0, 1 << 30))
     def unlink_while_open(self, d, name, seed):
-        data = blob(seed, 70_000)
+        data = rand(70_000, seed)
 
         def op(p: Path) -> bytes:
             p.write_bytes(data)

@@ -7,7 +7,7 @@ resolved. ckptfs used to drop an unlinked file's bytes as soon as no handle
 was open, so such an open read zeros (or, through the kernel's page cache,
 a mix of the old bytes and zeros): ``torch.load`` of a checkpoint being
 replaced by ``os.replace`` returned wrong tensors about once in a thousand
-loads (tests/test_frameworks_replace.py, in CI).
+loads (tests/frameworks/test_frameworks_replace.py, in CI).
 
 These drive the filesystem without FUSE (lifecycle_harness.py), the kernel's
 part played by the test; the last test checks on a real mount that the
@@ -31,52 +31,24 @@ from ckptfs.fs.content.state import FileState
 from ckptfs.fs.namespace.filesystem import Caller, SetAttr
 from ckptfs.fs.namespace.inodes import ROOT
 from ckptfs.fs.store.manifest import MAGIC
-from lifecycle_harness import Harness, audit
-
-CALLER = Caller(0, 0)
-SIZE = 5 * 4096 + 17  # pages of the harness's 4 KiB slots, the last one partial
-
-
-def save(h: Harness, name: str, data: bytes) -> int:
-    """torch.save: create, write, close. Returns the inode (one lookup held)."""
-    fs = h.core.fs
-    fh, attr = h.call(fs.create, ROOT, name, 0o644, os.O_WRONLY, CALLER)
-    h.call(fs.write, fh, 0, data)
-    h.call(fs.flush, fh)
-    h.call(fs.release, fh)
-    return attr.ino
+from lifecycle_harness import (
+    CALLER,
+    SIZE,
+    Harness,
+    audit,
+    close,
+    name_reads,
+    read_handle,
+    read_inode,
+    save,
+)
+from waits import wait_for
 
 
-def read_inode(h: Harness, ino: int) -> bytes:
-    fs = h.core.fs
-    fh, _ = h.call(fs.open, ino, os.O_RDONLY, CALLER)
-    try:
-        out = bytearray()
-        while piece := h.call(fs.read, fh, len(out), 5000):
-            out += piece
-        return bytes(out)
-    finally:
-        h.call(fs.release, fh)
-
-
-def read_handle(h: Harness, fh: int) -> bytes:
-    out = bytearray()
-    while piece := h.call(h.core.fs.read, fh, len(out), 5000):
-        out += piece
-    return bytes(out)
-
-
-def close(h: Harness, *fhs: int) -> None:
+def close_and_flush(h: Harness, *fhs: int) -> None:
     """close() of each handle (FLUSH, then RELEASE); then the flusher runs."""
-    for fh in fhs:
-        h.call(h.core.fs.flush, fh)
-        h.call(h.core.fs.release, fh)
+    close(h, *fhs)
     h.direct(h.background_steps, 100)
-
-
-def name_reads(h: Harness, name: str) -> bytes:
-    """What the name reads now, through a fresh lookup."""
-    return read_inode(h, h.call(h.core.fs.lookup, ROOT, name).ino)
 
 
 def forget(h: Harness, ino: int) -> None:
@@ -426,10 +398,12 @@ def test_the_kernel_forgets_a_removed_file_so_its_memory_goes(mounted) -> None:
 
 
 def wait_used(m, limit: int, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while (used := m.stat()["cache"]["used"]) > limit:
-        assert time.monotonic() < deadline, f"cache still holds {used} bytes, expected <= {limit}"
-        time.sleep(0.1)
+    wait_for(
+        lambda: m.stat()["cache"]["used"] <= limit,
+        timeout,
+        lambda: f"the cache to hold <= {limit} bytes, not {m.stat()['cache']['used']}",
+        interval=0.1,
+    )
 
 
 def open_plain_to_append(h: Harness, name: str, data: bytes) -> tuple[int, int]:
@@ -485,7 +459,7 @@ def test_a_plain_file_put_at_an_adopted_name_is_not_overwritten(h: Harness) -> N
     _, fh = open_plain_to_append(h, "plain", first)  # adopts: its bytes are copied in
     h.call(fs.write, fh, SIZE, b"appended")
     os.rename(h.backing / "other", h.backing / "plain")
-    close(h, fh)
+    close_and_flush(h, fh)
     assert (h.backing / "plain").read_bytes() == second
     again = h.call(fs.lookup, ROOT, "plain").ino
     assert read_inode(h, again) == second
@@ -507,7 +481,7 @@ def test_a_plain_file_given_the_adopted_ones_inode_number_is_not_overwritten(
     plain.write_bytes(second)
     if plain.stat().st_ino != adopted:
         pytest.skip("this filesystem did not reuse the inode number (test_mirror_unit covers it)")
-    close(h, fh)
+    close_and_flush(h, fh)
     assert plain.read_bytes() == second
 
 
@@ -525,7 +499,7 @@ def test_a_lookup_of_an_adopted_name_before_its_first_publish_finds_the_same_fil
     assert again.ino == ino and again.size == SIZE + 3  # our copy's size, not the plain file's
     fh2, _ = h.call(fs.open, again.ino, os.O_WRONLY, CALLER)
     h.call(fs.write, fh2, SIZE + 3, b"two")
-    close(h, fh1, fh2)
+    close_and_flush(h, fh1, fh2)
     assert name_reads(h, "plain") == first + b"onetwo"
 
 
@@ -543,7 +517,7 @@ def test_a_flush_wait_during_an_adoption_waits_for_the_whole_copy(h: Harness) ->
     assert (h.backing / "plain").read_bytes().startswith(MAGIC)
     assert read_inode(h, ino) == first  # what the flush published: the whole copy
     h.call(fs.write, out["fh"], SIZE, b"appended")
-    close(h, out["fh"])
+    close_and_flush(h, out["fh"])
     assert name_reads(h, "plain") == first + b"appended"
 
 
@@ -569,7 +543,7 @@ def test_two_opens_adopting_one_plain_file_at_once_share_it(h: Harness) -> None:
     assert h.core.fs.handles[handles[0]].file is h.core.fs.handles[handles[1]].file
     h.call(fs.write, handles[0], SIZE, b"one")
     h.call(fs.write, handles[1], SIZE + 3, b"two")
-    close(h, *handles)
+    close_and_flush(h, *handles)
     assert name_reads(h, "plain") == first + b"onetwo"
 
 
@@ -594,7 +568,7 @@ def test_an_adoption_whose_publish_found_the_name_gone_is_not_the_name_again(
     assert read_inode(h, again.ino) == first
     fh2, _ = h.call(fs.open, again.ino, os.O_WRONLY, CALLER)
     h.call(fs.write, fh2, SIZE, b"kept")
-    close(h, fh2)
+    close_and_flush(h, fh2)
     assert (h.backing / "plain").read_bytes().startswith(MAGIC)
     assert name_reads(h, "plain") == first + b"kept"
 
@@ -613,7 +587,7 @@ def test_a_touch_through_the_mount_during_an_adoption_lands_on_the_adopted_file(
     out = append_while(h, ino, lambda: fs.setattr(ino, SetAttr(mtime_ns=10**18), CALLER))
     assert out["meanwhile"].mtime_ns == 10**18 and out["meanwhile"].size == SIZE
     h.call(fs.write, out["fh"], SIZE, b"appended")
-    close(h, out["fh"])
+    close_and_flush(h, out["fh"])
     assert (h.backing / "plain").read_bytes().startswith(MAGIC)
     assert name_reads(h, "plain") == first + b"appended"
 
@@ -646,7 +620,7 @@ def test_an_adoption_whose_first_publish_failed_is_the_name_after_its_inode_is_f
     assert read_inode(h, again.ino) == first + b"appended"
     fh2, _ = h.call(fs.open, again.ino, os.O_WRONLY, CALLER)
     h.call(fs.write, fh2, SIZE + 8, b"more")
-    close(h, fh2)
+    close_and_flush(h, fh2)
     assert (h.backing / "plain").read_bytes().startswith(MAGIC)
     assert name_reads(h, "plain") == first + b"appendedmore"
 
@@ -658,7 +632,7 @@ def test_an_adopted_plain_file_is_replaced_by_its_publish(h: Harness) -> None:
     fs = h.core.fs
     ino, fh = open_plain_to_append(h, "plain", first)
     h.call(fs.write, fh, SIZE, b"appended")
-    close(h, fh)
+    close_and_flush(h, fh)
     assert (h.backing / "plain").read_bytes().startswith(MAGIC)
     assert read_inode(h, ino) == first + b"appended"
 

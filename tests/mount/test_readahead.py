@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import os
-import random
 import threading
 import time
 from collections import Counter
@@ -19,19 +18,16 @@ from pathlib import Path
 
 import pytest
 import trio
+from caches import make_cache, read_all
 from ckptfs.fs.cache.cache import Cache
-from ckptfs.fs.cache.journal import Journal
 from ckptfs.fs.content.arena import Arena
 from ckptfs.fs.content.cachedfile import CachedFile
-from ckptfs.fs.store.blocking import BackingIO
 from ckptfs.fs.store.chunkstore import ChunkCorrupt, ChunkStore, chunk_hash
 from ckptfs.fs.store.manifest import Chunk, Manifest, new_id, read_manifest
+from data import rand
+from waits import wait_for
 
 MiB = 1 << 20
-
-
-def rand(size: int, seed: int) -> bytes:
-    return random.Random(seed).randbytes(size)
 
 
 # ----- the cache, without FUSE -------------------------------------------------------------
@@ -57,10 +53,9 @@ class CountingStore(ChunkStore):
         return super().read_range(digest, length, start, count, what=what)
 
 
-def make_cache(tmp_path: Path, capacity: int) -> tuple[Cache, CountingStore]:
+def counted_cache(tmp_path: Path, capacity: int) -> tuple[Cache, CountingStore]:
     store = CountingStore(tmp_path / "backing")
-    arena = Arena(tmp_path / "arena", capacity)
-    return Cache(arena, store, BackingIO(30), Journal(tmp_path / "journal"), node="n1"), store
+    return make_cache(tmp_path, capacity=capacity, store=store, io_timeout=30), store
 
 
 def durable_file(cache: Cache, store: ChunkStore, data: bytes, chunk_len: int) -> CachedFile:
@@ -72,13 +67,6 @@ def durable_file(cache: Cache, store: ChunkStore, data: bytes, chunk_len: int) -
         chunks.append(Chunk(off, len(piece), chunk_hash(piece)))
     m = Manifest(new_id(), new_id(), len(data), 0o644, 0, "durable", chunks=chunks)
     return cache.load(m, "f.bin", 0, 0)
-
-
-async def read_all(cache: Cache, f: CachedFile, piece: int = MiB) -> bytes:
-    out = bytearray()
-    while len(out) < f.size:
-        out += await cache.read(f, len(out), piece)
-    return bytes(out)
 
 
 def with_background(cache: Cache, body: Callable[[], Awaitable[None]]) -> None:
@@ -95,7 +83,7 @@ def with_background(cache: Cache, body: Callable[[], Awaitable[None]]) -> None:
 
 
 def test_sequential_cold_read_reads_each_chunk_once_ahead_of_the_reader(tmp_path):
-    cache, store = make_cache(tmp_path, 64 * MiB)
+    cache, store = counted_cache(tmp_path, 64 * MiB)
     data = rand(24 * 1536 * 1024, 1)  # 24 chunks of 1.5 MiB: chunks straddle pages
     f = durable_file(cache, store, data, 1536 * 1024)
 
@@ -112,7 +100,7 @@ def test_sequential_cold_read_reads_each_chunk_once_ahead_of_the_reader(tmp_path
 
 
 def test_eight_concurrent_readers_share_each_chunk_fetch(tmp_path):
-    cache, store = make_cache(tmp_path, 64 * MiB)
+    cache, store = counted_cache(tmp_path, 64 * MiB)
     data = rand(16 * 2 * MiB + 12345, 2)
     f = durable_file(cache, store, data, 2 * MiB)
     results: list[bytes] = []
@@ -132,7 +120,7 @@ def test_eight_concurrent_readers_share_each_chunk_fetch(tmp_path):
 
 
 def test_a_prefetched_corrupt_chunk_is_eio_for_its_reader_and_never_bytes(tmp_path):
-    cache, store = make_cache(tmp_path, 64 * MiB)
+    cache, store = counted_cache(tmp_path, 64 * MiB)
     data = rand(10 * MiB, 3)
     f = durable_file(cache, store, data, MiB)
     bad = f.base.chunks[4]
@@ -163,7 +151,7 @@ def test_a_prefetched_corrupt_chunk_is_eio_for_its_reader_and_never_bytes(tmp_pa
 
 
 def test_a_rewritten_file_never_reads_the_prefetched_old_version(tmp_path):
-    cache, store = make_cache(tmp_path, 64 * MiB)
+    cache, store = counted_cache(tmp_path, 64 * MiB)
     old = rand(8 * MiB, 4)
     f = durable_file(cache, store, old, MiB)
     new = rand(8 * MiB, 5)
@@ -189,7 +177,7 @@ def test_a_cold_read_completes_with_the_cache_full_of_dirty_bytes(tmp_path):
     """Readers never wait for memory: with every slot holding bytes that are
     not yet stored anywhere else (nothing can be evicted or spilled: no
     flusher here), a cold read still completes, with the right bytes."""
-    cache, store = make_cache(tmp_path, 16 * MiB)
+    cache, store = counted_cache(tmp_path, 16 * MiB)
     data = rand(12 * MiB, 11)
     f = durable_file(cache, store, data, MiB)
     dirty = cache.new_file(new_id(), new_id(), "dirty.bin", 0o644, 0, 0)
@@ -209,7 +197,7 @@ def test_a_cold_read_completes_with_the_cache_full_of_dirty_bytes(tmp_path):
 
 
 def test_read_ahead_stays_within_its_share_of_a_small_cache(tmp_path):
-    cache, store = make_cache(tmp_path, 16 * MiB)
+    cache, store = counted_cache(tmp_path, 16 * MiB)
     data = rand(48 * MiB, 6)  # three times the cache
     f = durable_file(cache, store, data, MiB)
     peak = {"unread": 0, "used": 0}
@@ -415,9 +403,4 @@ def test_mount_cold_read_of_a_file_larger_than_the_cache_stays_in_budget(mounts)
 
 
 def wait_for_stat(m, predicate, what: str, timeout: float = 20) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate(m.stat()):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}: {m.stat()['cache']}")
+    wait_for(lambda: predicate(m.stat()), timeout, lambda: f"{what}: {m.stat()['cache']}")

@@ -17,12 +17,10 @@ from ckptfs.fs.fuse import abi as abi
 from ckptfs.fs.fuse.abi import Op
 from ckptfs.fs.fuse.operations import Operations
 from ckptfs.fs.fuse.session import Request
-from ckptfs.fs.namespace.filesystem import Caller
 from ckptfs.fs.namespace.inodes import ROOT, InodeTable
-from conftest import wait_for
-from lifecycle_harness import Harness
+from lifecycle_harness import CALLER, Harness
+from waits import wait_for
 
-CALLER = Caller(0, 0)
 REPLY = 4096  # the kernel's smallest READDIRPLUS buffer: about 20 entries
 
 

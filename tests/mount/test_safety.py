@@ -1,6 +1,6 @@
 """Regression tests: lost files, renames before a crash, long names, store failures.
 
-(A rewrite interrupted by a crash: tests/test_lifecycle.py.)
+(A rewrite interrupted by a crash: tests/mount/test_lifecycle.py.)
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import subprocess
 
 import pytest
 from ckptfs.fs.store.manifest import Manifest, read_manifest
-from conftest import wait_for, write_store_manifest
+from manifests import write_store_manifest
+from waits import wait_for
 
 
 def test_lost_file_reads_eio_and_refuses_partial_rewrites(mounts):

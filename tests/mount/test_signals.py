@@ -13,7 +13,8 @@ import sys
 import textwrap
 import time
 
-from conftest import is_mounted, process_gone, wait_for
+from mounts import is_mounted, process_gone
+from waits import wait_for
 
 WRITER = textwrap.dedent(
     """

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Mount, is_mounted
+from mounts import Mount, is_mounted
 
 NOBODY = 65534
 

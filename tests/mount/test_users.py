@@ -15,42 +15,16 @@ import os
 import shutil
 import stat
 import subprocess
-import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Mount, is_mounted
+from mounts import Mount, is_mounted
+from users import GROUP, OTHER, USER, run_as
 
-USER, GROUP = 65534, 65534  # nobody:nogroup
-OTHER = 65533
 MiB = 1 << 20
-
-# Imported and exercised as root, before the child drops its privileges.
-PRELUDE = """
-import errno, json, os, shutil, stat, sys, io
-import torch
-buf = io.BytesIO(); torch.save({"w": torch.zeros(4)}, buf); buf.seek(0); torch.load(buf)
-from ckptfs.tools import cli
-uid, gid = int(sys.argv[1]), int(sys.argv[2])
-os.setgroups([]); os.setgid(gid); os.setuid(uid)
-os.umask(0o022)
-"""
-
-
-def run_as(uid: int, gid: int, code: str, *args: str, timeout: float = 120) -> Any:
-    """Run ``code`` as uid:gid; it prints one JSON value, which is returned."""
-    proc = subprocess.run(
-        [sys.executable, "-c", PRELUDE + textwrap.dedent(code), str(uid), str(gid), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, f"as {uid}:{gid} failed:\n{proc.stderr}{proc.stdout}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def manifest_of(path: Path) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """A passthrough FUSE filesystem that counts the bytes read through it: the
 tests' stand-in for the NFS backing store that several nodes share.
 
-    python tests/countingfs.py REAL_DIR MOUNTPOINT --counters FILE.json
+    python tests/support/countingfs.py REAL_DIR MOUNTPOINT --counters FILE.json
 
 Every operation ckptfs daemons use on their backing directory is passed to
 REAL_DIR: lookup, getattr, setattr (truncate, chmod, chown, utimens), readdir,
@@ -32,7 +32,7 @@ bytes of every read before it and its own have crossed that link. The
 default, 0, is no limit.
 
 With ``--faults FILE`` the store can be made to misbehave on command, as an
-NFS server does (tests/faults/, the fault trials): the caller writes
+NFS server does (tests/cluster/faults/, the fault trials): the caller writes
 ``{"mode": M, "gen": N}`` to FILE and sends SIGUSR2; the mode holds from
 then on, and ``FILE.ack`` says ``N`` once it does. Modes: ``ok`` (the
 default), ``stall`` (every request waits until the mode changes: a hung
@@ -63,6 +63,7 @@ from typing import Any, TypeVar
 
 import pyfuse3
 import trio
+from mounts import is_mounted
 
 log = logging.getLogger("countingfs")
 T = TypeVar("T")
@@ -604,11 +605,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ----- for tests ------------------------------------------------------------------------
-def is_mounted(path: Path) -> bool:
-    with open("/proc/self/mounts") as mounts:
-        return any(line.split()[1] == str(path) for line in mounts)
-
-
 class CountingMount:
     def __init__(
         self,

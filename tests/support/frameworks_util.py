@@ -1,4 +1,4 @@
-"""Shared code of the framework tests (tests/test_frameworks_*.py).
+"""Shared code of the framework tests (tests/frameworks/).
 
 Two roles:
 
@@ -11,7 +11,7 @@ Two roles:
   readers::
 
       python -m torch.distributed.run --standalone --nproc-per-node 2 \\
-          tests/frameworks_util.py dcp-save CKPT_ROOT REF_DIR
+          tests/support/frameworks_util.py dcp-save CKPT_ROOT REF_DIR
 
 Nothing here imports ckptfs: the backing directory is read as the documented
 format (docs/FORMAT.md), so these tests do not depend on the internals.
@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tensors import assert_same
 
 WORKER = str(Path(__file__).resolve())
 MAGIC = b"CKPTFS-MANIFEST 1\n"
@@ -201,41 +202,6 @@ def files_under(root: Path) -> list[str]:
     for dirpath, _dirs, files in os.walk(root):
         out += [str((Path(dirpath) / f).relative_to(root)) for f in files]
     return sorted(out)
-
-
-# ----- exact comparison ------------------------------------------------------------
-def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
-    """Nested dicts / lists / tuples to ``{"a.b.0": leaf}``."""
-    if isinstance(obj, dict):
-        out: dict[str, Any] = {}
-        for k, v in obj.items():
-            out.update(flatten(v, f"{prefix}{k}."))
-        return out or {prefix.rstrip("."): {}}
-    if isinstance(obj, (list, tuple)):
-        out = {}
-        for i, v in enumerate(obj):
-            out.update(flatten(v, f"{prefix}{i}."))
-        return out or {prefix.rstrip("."): type(obj)()}
-    return {prefix.rstrip("."): obj}
-
-
-def assert_same(expected: Any, got: Any, what: str = "state") -> None:
-    """Same keys, and every tensor torch.equal (same dtype and shape)."""
-    exp, act = flatten(expected), flatten(got)
-    assert exp.keys() == act.keys(), (
-        f"{what}: keys differ: missing {sorted(exp.keys() - act.keys())[:10]}, "
-        f"unexpected {sorted(act.keys() - exp.keys())[:10]}"
-    )
-    for k, e in exp.items():
-        a = act[k]
-        if isinstance(e, torch.Tensor):
-            assert isinstance(a, torch.Tensor), f"{what}: {k} is {type(a).__name__}, not a tensor"
-            assert (e.dtype, e.shape) == (a.dtype, a.shape), (
-                f"{what}: {k}: {a.dtype}{tuple(a.shape)} != {e.dtype}{tuple(e.shape)}"
-            )
-            assert torch.equal(e, a), f"{what}: {k}: values differ"
-        else:
-            assert e == a, f"{what}: {k}: {a!r} != {e!r}"
 
 
 def clone_tree(obj: Any) -> Any:

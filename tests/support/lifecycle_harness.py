@@ -14,16 +14,19 @@ from __future__ import annotations
 import contextvars
 import errno
 import os
+import random
 import shutil
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 import trio.testing
 from ckptfs.fs.config import Config
 from ckptfs.fs.daemon.core import Core
+from ckptfs.fs.namespace.filesystem import Caller
+from ckptfs.fs.namespace.inodes import ROOT
 from ckptfs.fs.store.blocking import BackingIO, Call
 from ckptfs.fs.store.chunkstore import ChunkStore
 from ckptfs.fs.store.manifest import read_manifest
@@ -382,3 +385,86 @@ def audit(core: Core) -> list[str]:
                 problems.append(f"frame slot {slot} also used by {slots[slot]}")
             slots[slot] = f"frame {frame.chunk.hash[:8]}"
     return problems
+
+
+# ----- what a process does through the harness ---------------------------------------
+
+CALLER = Caller(0, 0)  # root
+SIZE = 5 * 4096 + 17  # pages of the harness's 4 KiB slots, the last one partial
+
+
+def save(h: Harness, name: str, data: bytes) -> int:
+    """torch.save: create, write, close. Returns the inode (one lookup held)."""
+    fs = h.core.fs
+    fh, attr = h.call(fs.create, ROOT, name, 0o644, os.O_WRONLY, CALLER)
+    h.call(fs.write, fh, 0, data)
+    h.call(fs.flush, fh)
+    h.call(fs.release, fh)
+    return attr.ino
+
+
+def read_inode(h: Harness, ino: int) -> bytes:
+    """The whole file of inode ``ino``, through an open of its own."""
+    fs = h.core.fs
+    fh, _ = h.call(fs.open, ino, os.O_RDONLY, CALLER)
+    try:
+        out = bytearray()
+        while piece := h.call(fs.read, fh, len(out), 5000):
+            out += piece
+        return bytes(out)
+    finally:
+        h.call(fs.release, fh)
+
+
+def read_handle(h: Harness, fh: int) -> bytes:
+    """The whole file open at handle ``fh``, from its start."""
+    out = bytearray()
+    while piece := h.call(h.core.fs.read, fh, len(out), 5000):
+        out += piece
+    return bytes(out)
+
+
+def name_reads(h: Harness, name: str) -> bytes:
+    """What the name reads now, through a fresh lookup."""
+    return read_inode(h, h.call(h.core.fs.lookup, ROOT, name).ino)
+
+
+def saved(h: Harness, name: str, data: bytes) -> None:
+    """Written, closed and flushed."""
+    save(h, name, data)
+    h.direct(h.background_steps, 100)
+    assert read_manifest(h.backing / name).state == "durable"
+
+
+def opened(h: Harness, name: str, data: bytes | None = None) -> tuple[int, int]:
+    """Saved, looked up and opened for reading: (inode, handle)."""
+    saved(h, name, random.randbytes(SIZE) if data is None else data)
+    ino = h.call(h.core.fs.lookup, ROOT, name).ino
+    fh, _ = h.call(h.core.fs.open, ino, os.O_RDONLY, CALLER)
+    return ino, fh
+
+
+def close(h: Harness, *fhs: int) -> None:
+    """close() of each handle: FLUSH, then RELEASE."""
+    for fh in fhs:
+        h.call(h.core.fs.flush, fh)
+        h.call(h.core.fs.release, fh)
+
+
+T = TypeVar("T")
+
+
+def inline(h: Harness, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on the loop, synchronously, as the session's reader runs it."""
+    return trio.from_thread.run_sync(fn, *args, trio_token=h._token)
+
+
+def read_now_copied(h: Harness, fh: int, off: int, size: int) -> bytes | None:
+    """``FileSystem.read_now`` as a reader runs it, its views copied before
+    the loop runs on (they are valid until its next await)."""
+
+    def read() -> bytes | None:
+        got = h.core.fs.read_now(fh, off, size)
+        return None if got is None else b"".join(got) if isinstance(got, list) else bytes(got)
+
+    return inline(h, read)

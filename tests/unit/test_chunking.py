@@ -10,8 +10,10 @@ import zipfile
 import pytest
 from ckptfs.fs.store.chunking import SMALL_PIECE, plan_chunks
 from ckptfs.fs.store.chunkstore import chunk_hash
+from data import safetensors_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tensors import state_dict
 
 torch = pytest.importorskip("torch")
 
@@ -69,22 +71,6 @@ def zip_data_spans(data: bytes) -> dict[str, tuple[int, int]]:
     return spans
 
 
-def safetensors_bytes(tensors: dict[str, bytes], metadata: dict[str, str] | None = None) -> bytes:
-    """A safetensors file written by hand (the package is not a dependency)."""
-    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for name, blob in tensors.items():
-        header[name] = {
-            "dtype": "U8",
-            "shape": [len(blob)],
-            "data_offsets": [offset, offset + len(blob)],
-        }
-        offset += len(blob)
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes
-    return struct.pack("<Q", len(raw)) + raw + b"".join(tensors.values())
-
-
 def new_bytes(old: bytes, new: bytes, chunk_size: int) -> int:
     """Bytes of ``new`` whose chunks are not among ``old``'s chunks."""
     _, old_ranges = plan(old, chunk_size)
@@ -93,20 +79,11 @@ def new_bytes(old: bytes, new: bytes, chunk_size: int) -> int:
     return sum(n for o, n in new_ranges if chunk_hash(new[o : o + n]) not in known)
 
 
-def state_dict(seed: int, n: int = 8, numel: int = 192 * 1024) -> dict[str, object]:
-    gen = torch.Generator().manual_seed(seed)
-    sd: dict[str, object] = {}
-    for i in range(n):
-        sd[f"layer{i}.weight"] = torch.randn(numel, generator=gen)
-        sd[f"layer{i}.norm"] = torch.randn(64, generator=gen)
-    return sd
-
-
 # --- torch.save archives ----------------------------------------------------
 
 
 def test_torch_archive_is_cut_at_entry_boundaries() -> None:
-    data = saved(state_dict(0, n=3, numel=40_000))
+    data = saved(state_dict(0, layers=3, numel=40_000))
     kind, ranges = plan(data, 4 * MiB)
     assert kind == "torch-zip"
     spans = zip_data_spans(data)
@@ -119,7 +96,7 @@ def test_torch_archive_is_cut_at_entry_boundaries() -> None:
 
 def test_large_torch_entries_split_from_their_data_start() -> None:
     chunk = 1 * MiB
-    data = saved(state_dict(1, n=3, numel=700_000))  # 2.8 MB per tensor, ~8.4 MB file
+    data = saved(state_dict(1, layers=3, numel=700_000))  # 2.8 MB per tensor, ~8.4 MB file
     assert len(data) > 8 * MiB
     recorder = Recorder(data)
     kind, ranges = plan_chunks(recorder, len(data), chunk)
@@ -179,7 +156,7 @@ def test_zip64_records_and_extra_fields(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_truncated_or_damaged_archives_fall_back_to_fixed() -> None:
-    data = saved(state_dict(2, n=2, numel=20_000))
+    data = saved(state_dict(2, layers=2, numel=20_000))
     kind, _ = plan(data[:-30], 64 * KiB)
     assert kind == "fixed"
     cd = data.rfind(b"PK\x01\x02")
@@ -270,7 +247,7 @@ def test_arbitrary_safetensors_headers_tile(header: object, body: bytes, chunk_s
 
 def test_added_key_keeps_tensor_chunks() -> None:
     chunk = 1 * MiB
-    old = state_dict(3, n=10)
+    old = state_dict(3, layers=10)
     new = {"step": torch.tensor(1000), "extra.bias": torch.randn(32)}  # pickle grows, data moves
     new.update(old)
     new["layer7.weight"] = torch.randn(192 * 1024)  # ~1/10 of the bytes changed

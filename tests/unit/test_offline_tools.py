@@ -17,7 +17,7 @@ from ckptfs.tools.offline import gc as gc_module
 from ckptfs.tools.offline.check import check
 from ckptfs.tools.offline.export import export
 from ckptfs.tools.offline.gc import collect_garbage
-from conftest import write_store_manifest
+from manifests import write_store_manifest
 
 torch = pytest.importorskip("torch")
 
@@ -408,7 +408,7 @@ def test_retention_needs_keep_last_of_at_least_one(backing: Path, tmp_path: Path
 
 
 def test_format_doc_script_reassembles(backing: Path, tmp_path: Path) -> None:
-    text = (Path(__file__).parents[1] / "docs" / "FORMAT.md").read_text()
+    text = (Path(__file__).parents[2] / "docs" / "FORMAT.md").read_text()
     script = text.split("```python\n")[-1].split("```")[0]
     namespace: dict[str, object] = {"__name__": "format_doc"}
     exec(compile(script, "FORMAT.md", "exec"), namespace)
@@ -422,7 +422,7 @@ def test_format_doc_script_reassembles(backing: Path, tmp_path: Path) -> None:
 def test_format_doc_script_reassembles_a_sparse_file_with_its_times(
     backing: Path, tmp_path: Path
 ) -> None:
-    text = (Path(__file__).parents[1] / "docs" / "FORMAT.md").read_text()
+    text = (Path(__file__).parents[2] / "docs" / "FORMAT.md").read_text()
     script = text.split("```python\n")[-1].split("```")[0]
     namespace: dict[str, object] = {"__name__": "format_doc"}
     exec(compile(script, "FORMAT.md", "exec"), namespace)

@@ -12,7 +12,7 @@ from ckptfs.fs.store import renamelog
 from ckptfs.fs.store.manifest import Manifest
 from ckptfs.fs.store.renamelog import RENAMED_DIR, RenameLog, needs_record, write_record
 from ckptfs.fs.store.storedirs import StoreDirs
-from conftest import write_store_manifest
+from manifests import write_store_manifest
 
 
 def pending(file_id: str, holders: list[str]) -> Manifest:

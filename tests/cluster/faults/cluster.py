@@ -1,5 +1,5 @@
 """Real ckptfs daemons, each in its own network namespace, over one shared
-stand-in store (tests/countingfs.py with fault injection).
+stand-in store (tests/support/countingfs.py with fault injection).
 
 Each daemon is started with ``nsenter --net`` only: it has its own network
 (its own address, which the peers' identity check needs) but this process's
@@ -29,9 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from ckptfs.fs.daemon.preflight import run_files
-from ckptfs.tests.faults.netns import Network
 from ckptfs.tools.control import ControlError, request
-from countingfs import CountingMount, counting_mount, is_mounted
+from countingfs import CountingMount, counting_mount
+from mounts import is_mounted
+
+from .netns import Network
 
 PEER_PORT = 7070
 MOUNT_TIMEOUT = 90.0

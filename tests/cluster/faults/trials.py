@@ -1,11 +1,11 @@
 """Randomized fault trials on a cluster of real daemons (docs/FAULT-TRIALS.md).
 
-    python tests/fault_trials.py --trials N --seed S [--nodes 4] [--trial K] [--kinds a,b]
+    python tests/cluster/fault_trials.py --trials N --seed S [--nodes 4] [--trial K] [--kinds a,b]
 
 One cluster runs all trials. A trial: a directory of its own; the workload
-(tests/faults/workload.py) for a few seconds; one fault, chosen at random,
+(tests/cluster/faults/workload.py) for a few seconds; one fault, chosen at random,
 injected at a random moment and healed; then every daemon up again, every
-node's ``flush --wait``, and the oracle's final check (tests/faults/oracle.py)
+node's ``flush --wait``, and the oracle's final check (tests/cluster/faults/oracle.py)
 of what the store holds, and ``ckptfs check``. Trial K of seed S always
 draws the same fault, the same timings and the same data (``--seed S
 --trial K`` replays it; what the machine's scheduler does is not replayed).
@@ -29,10 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptfs.fs.store.manifest import ManifestError, is_tmp_name, read_manifest
-from ckptfs.tests.faults.cluster import Cluster, ClusterError
-from ckptfs.tests.faults.netns import Network, remove_stale
-from ckptfs.tests.faults.oracle import Observed, Oracle, digest
-from ckptfs.tests.faults.workload import OP_BOUND, EventLog, Workload
+
+from .cluster import Cluster, ClusterError
+from .netns import Network, remove_stale
+from .oracle import Observed, Oracle, digest
+from .workload import OP_BOUND, EventLog, Workload
 
 # Fault kinds and their weights.
 KINDS: dict[str, int] = {
@@ -489,7 +490,7 @@ class Trials:
             self.out(f"  note: {note}")
         if r.failures:
             self.out(f"\nFAILED: seed {self.args.seed} trial {r.trial} "
-                     f"(replay: python tests/fault_trials.py --seed {self.args.seed} "
+                     f"(replay: python tests/cluster/fault_trials.py --seed {self.args.seed} "
                      f"--trial {r.trial} --nodes {self.args.nodes})")  # fmt: skip
             for f in r.failures:
                 self.out(f"  {f}")

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ckptfs.fs.store.manifest import ManifestError, read_manifest
-from ckptfs.tests.faults.cluster import Cluster
-from ckptfs.tests.faults.oracle import ABSENT, Oracle, digest
+
+from .cluster import Cluster
+from .oracle import ABSENT, Oracle, digest
 
 T = TypeVar("T")
 # No workload operation may take longer than this (seconds): longer than any

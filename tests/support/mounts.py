@@ -5,7 +5,6 @@ the ``mounts`` fixtures of tests/conftest.py are made of it)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -17,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from ckptfs.tools.control import find_mount, request
 from waits import wait_for
 
 FUSERMOUNT = "fusermount3"
@@ -116,8 +116,22 @@ class Mount:
             ).read_text()
         )
 
+    def ask(
+        self, op: str, path: Path | None = None, *, within: float | None = 30, **fields: Any
+    ) -> dict[str, Any]:
+        """The daemon's reply to control request ``op`` about ``path`` (default:
+        the whole mount), answered within ``within`` seconds, asked from this
+        process as the CLI asks it (tools/cli.py, tools/control.py): tests
+        poll the daemon often, and a ``ckptfs`` process costs a second of CPU
+        on CI's two cores, which the daemons under test need."""
+        mountpoint, rel = find_mount(path or self.mnt)
+        reply = request(mountpoint, {"op": op, "path": rel, **fields}, within, run=self.run_dir)
+        assert reply.pop("ok", False), f"{op} of {path or self.mnt}: {reply}"
+        return reply
+
     def stat(self, path: Path | None = None) -> dict[str, Any]:
-        return json.loads(self.cli("stat", str(path or self.mnt), "--json").stdout)
+        """What ``ckptfs stat PATH --json`` prints (the daemon's stat reply)."""
+        return self.ask("stat", path)
 
     def file_state(self, rel: str) -> str | None:
         for f in self.stat()["files"]:
@@ -126,7 +140,8 @@ class Mount:
         return None
 
     def wait_durable(self, timeout: float = 60) -> None:
-        self.cli("flush", str(self.mnt), "--wait", "--timeout", str(timeout), timeout=timeout + 30)
+        """``ckptfs flush MNT --wait --timeout TIMEOUT``: everything durable."""
+        self.ask("flush", within=timeout + 30, wait=True, timeout=timeout)
 
     def log(self) -> str:
         return "".join(p.read_text(errors="replace") for p in self.run_dir.glob("*.log"))

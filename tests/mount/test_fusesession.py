@@ -300,8 +300,10 @@ def test_writes_held_by_their_handlers_do_not_stop_the_reading(tmp_path: Path) -
     with served(tmp_path, tiny, buffers=2) as (mnt, session, token):
         release = trio.Event()
         tiny.hold = release
+        written: list[int | BaseException] = []
         threads = [
-            threading.Thread(target=_pwrite, args=(mnt / f"f{i + 1}", blobs[i])) for i in range(4)
+            threading.Thread(target=_pwrite, args=(mnt / f"f{i + 1}", blobs[i], written))
+            for i in range(4)
         ]
         for t in threads:
             t.start()
@@ -316,6 +318,7 @@ def test_writes_held_by_their_handlers_do_not_stop_the_reading(tmp_path: Path) -
         for t in threads:
             t.join(TIMEOUT)
         assert not any(t.is_alive() for t in threads)
+    assert written == [chunk] * 4, written
     for i, blob in enumerate(blobs):
         assert hashlib.sha256(tiny.files[3 + i]).digest() == hashlib.sha256(blob).digest()
 
@@ -401,12 +404,17 @@ def test_a_stop_signal_ends_only_an_interruptible_wait(
             assert not session._in_flight
 
 
-def _pwrite(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY)  # direct_io: 1 MiB requests
+def _pwrite(path: Path, data: bytes, written: list[int | BaseException]) -> None:
+    """pwrite ``data`` at 0; what it returned, or raised, is appended to
+    ``written`` (an assert in a thread could not fail the test)."""
     try:
-        assert os.pwrite(fd, data, 0) == len(data)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_WRONLY)  # direct_io: 1 MiB requests
+        try:
+            written.append(os.pwrite(fd, data, 0))
+        finally:
+            os.close(fd)
+    except BaseException as exc:  # noqa: BLE001 - checked by the test
+        written.append(exc)
 
 
 def test_an_unmount_from_outside_ends_the_session(tmp_path: Path) -> None:

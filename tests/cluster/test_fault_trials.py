@@ -21,11 +21,14 @@ from faults.netns import remove_stale
 from faults.oracle import ABSENT, EMPTY, Observed, Oracle, digest
 from faults.trials import KINDS, Trials, parse_args, plan_trial
 
-# CI's run: a fixed seed, three nodes, 50 trials. The kinds are those that
+# CI's run: a fixed seed, three nodes, 40 trials. The kinds are those that
 # meet none of the known bugs (docs/FAULT-TRIALS.md, Known bugs); the run by
-# hand draws from all of them.
+# hand draws from all of them, in 1000 trials. 40 trials (not 50) keep the
+# suite within its time on CI's two cores, and are the first 40 of the
+# 50-trial run CI made before; they still draw every kind
+# (test_the_ci_run_meets_every_fault_kind).
 CI_SEED = 20261203
-CI_TRIALS = 50
+CI_TRIALS = 40
 CI_KINDS = [
     "none",
     "kill_keep",
@@ -39,7 +42,7 @@ CI_KINDS = [
     "store_eio",
     "takeover_restart",
 ]
-CI_BUDGET_S = 300.0
+CI_BUDGET_S = 240.0
 
 
 class Clock:
@@ -155,8 +158,21 @@ def test_a_trial_plan_depends_on_the_seed_and_the_trial_only():
     names = ["n1", "n2", "n3", "n4"]
     kinds = list(KINDS)
     assert plan_trial(5, 7, names, kinds, 3.0) == plan_trial(5, 7, names, kinds, 3.0)
+    # ... and on the seed: another seed plans other trials.
+    assert [plan_trial(5, k, names, kinds, 3.0) for k in range(20)] != [
+        plan_trial(6, k, names, kinds, 3.0) for k in range(20)
+    ]
     plans = {plan_trial(5, k, names, kinds, 3.0).kind for k in range(300)}
     assert plans == set(kinds)
+
+
+def test_the_ci_run_meets_every_fault_kind():
+    """CI's short run still injects every kind of fault it may: also where
+    "loss" is left out (no netem and no iptables), which changes the draws."""
+    names = ["n1", "n2", "n3"]
+    for kinds in (CI_KINDS, [k for k in CI_KINDS if k != "loss"]):
+        drawn = {plan_trial(CI_SEED, k, names, kinds, 1.5).kind for k in range(CI_TRIALS)}
+        assert drawn == set(kinds), set(kinds) - drawn
 
 
 # ----- the stand-in store's faults --------------------------------------------------
@@ -232,10 +248,9 @@ def cluster_run_possible() -> str | None:
     return None
 
 
-@pytest.mark.cluster
 @pytest.mark.skipif(cluster_run_possible() is not None, reason=str(cluster_run_possible()))
-def test_fifty_fault_trials_with_a_fixed_seed(tmp_path: Path):
-    """CI's run (docs/FAULT-TRIALS.md): 50 trials of seed CI_SEED on three
+def test_fault_trials_with_a_fixed_seed(tmp_path: Path):
+    """CI's run (docs/FAULT-TRIALS.md): CI_TRIALS trials of seed CI_SEED on three
     nodes, each a fault of CI_KINDS; every failure is printed with its seed,
     trial and event log."""
     remove_stale()

@@ -3,7 +3,7 @@
 Every change of ``CachedFile.state`` goes through :func:`move` (or, for a
 file just built from a manifest or a journal record, :func:`start`), so the
 table below is the whole state machine: docs/STATES.md describes each move,
-and tests/test_transitions.py checks that nothing else assigns a state.
+and tests/unit/test_transitions.py checks that nothing else assigns a state.
 A move the table does not allow is a bug in the caller: it raises rather
 than leave a file in a state no other part of the cache expects.
 """

@@ -6,7 +6,7 @@
 
 Every node is a ckptfs daemon on this machine with its own mountpoint, cache
 and loopback port; all share one backing directory that sits behind the
-tests' counting passthrough FUSE mount (tests/countingfs.py, the NFS
+tests' counting passthrough FUSE mount (tests/support/countingfs.py, the NFS
 stand-in), so the bytes read from the store by every daemon are counted in
 one place. As many solo daemons (no peers) on the same backing are the
 baselines: one of them alone is a single node, all of them together are as
@@ -62,7 +62,7 @@ from ckptfs.tools.bench.benchlib import (
     table_lines,
 )
 
-COUNTINGFS = Path(ckptfs.__file__).resolve().parent / "tests" / "countingfs.py"
+COUNTINGFS = Path(ckptfs.__file__).resolve().parent / "tests" / "support" / "countingfs.py"
 # A reader: says it is ready (torch imported), waits for "go" on stdin so that
 # all start together, loads the checkpoint, prints the bytes of its tensors.
 READER = """

@@ -1,0 +1,33 @@
+"""Manifests written into a backing directory as another node's daemon of
+that store would write them (sealed with the store's key)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ckptfs.fs.store.manifest import write_manifest
+from ckptfs.fs.store.storedirs import CKPTFS_DIR, StoreDirs
+
+
+def store_key(path: Path, backing: Path | None = None) -> bytes:
+    """The manifest key of the backing directory ``backing`` (made if it has
+    none), or of the first at or above ``path`` with a .ckptfs: what a
+    daemon of that store seals its manifests with."""
+    if backing is None:
+        backing = next((r for r in (path, *path.parents) if (r / CKPTFS_DIR).is_dir()), None)
+    if backing is None:
+        raise AssertionError(f"no backing directory (with .ckptfs) at or above {path}")
+    dirs = StoreDirs(backing)
+    try:
+        return dirs.manifest_key()
+    finally:
+        dirs.close()
+
+
+def write_store_manifest(
+    path: Path, manifest: Any, backing: Path | None = None, **kwargs: Any
+) -> None:
+    """A manifest written into a backing directory as a ckptfs daemon of that
+    store would (sealed): for tests that stand for another node."""
+    write_manifest(path, manifest, key=store_key(path.parent, backing), **kwargs)

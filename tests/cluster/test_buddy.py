@@ -15,6 +15,7 @@ import textwrap
 import time
 from pathlib import Path
 
+from children import next_line
 from ckptfs.fs.store.manifest import read_manifest
 from clusters import cluster, cluster_config, peers_of
 from mounts import Mount, free_port
@@ -602,7 +603,7 @@ def test_the_buddys_open_files_read_their_version_after_the_writer_replaced_it(m
         )  # fmt: skip
         try:
             assert mapped.stdout is not None and mapped.stdin is not None
-            assert mapped.stdout.readline() == "mapped\n"
+            assert next_line(mapped) == "mapped"
             assert os.pread(fd, MiB, 0) == old[:MiB]
             if when == "durable":
                 n1.wait_durable()
@@ -621,7 +622,7 @@ def test_the_buddys_open_files_read_their_version_after_the_writer_replaced_it(m
             assert got == old, f"{when}: the open handle's bytes differ from its version"
             mapped.stdin.write("go\n")
             mapped.stdin.flush()
-            digest = mapped.stdout.readline().strip()
+            digest = next_line(mapped)
             assert mapped.wait(timeout=60) == 0, f"{when}: mapped reader died: {mapped.returncode}"
             assert digest == hashlib.sha256(old).hexdigest(), f"{when}: mapped bytes differ"
         finally:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from children import next_line
 from clusters import cluster_config, peers_of
 from mounts import Mount, free_port, lines_of_a_killed_peer
 from waits import wait_for
@@ -240,7 +241,7 @@ def test_a_file_its_writer_changes_in_place_is_stale_elsewhere_not_lost(mounts, 
         assert writer.stdin is not None and writer.stdout is not None
         writer.stdin.write(b"go\n" + (patch if change == "r+b" else b""))
         writer.stdin.flush()
-        assert writer.stdout.readline() == b"changed\n"
+        assert next_line(writer) == "changed"
         assert _version(n1, "ckpt.pt") == version  # not published before the close
         with pytest.raises(OSError) as err:
             os.pread(fd, MiB, 36 * MiB)  # beyond what n2 fetched ahead

@@ -245,7 +245,7 @@ def test_a_representative_that_dies_mid_restore_is_replaced_by_the_store(counted
     try:
         for p in procs:
             assert p.stdout is not None
-            assert p.stdout.readline().split() == ["half"]
+            assert next_line(p).split() == ["half"]
         served = n4.stat()["representative"]["chunks_served"]
         assert served > 0  # n4 represented its share of the first half
         for m in readers:

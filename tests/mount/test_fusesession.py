@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 import trio
+from children import next_line
 from ckptfs.fs.fuse import abi
 from ckptfs.fs.fuse import mount as fusemount
 from ckptfs.fs.fuse.abi import Op
@@ -363,7 +364,7 @@ def test_a_stop_signal_ends_only_an_interruptible_wait(
         )
         try:
             assert writer.stdout is not None
-            assert writer.stdout.readline().strip() == "writing"
+            assert next_line(writer) == "writing"
             deadline = time.monotonic() + TIMEOUT
             while tiny.writes_in_flight < 1 and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -371,7 +372,7 @@ def test_a_stop_signal_ends_only_an_interruptible_wait(
             writer.send_signal(sig)
             c = session.counters
             if interruptible_wait and sig == signal.SIGINT:
-                assert writer.stdout.readline().strip() == "interrupted"
+                assert next_line(writer) == "interrupted"
                 assert writer.wait(TIMEOUT) == 0
                 assert tiny.writes_in_flight == 0
                 assert bytes(tiny.files[3]) == b""  # nothing written
@@ -383,11 +384,11 @@ def test_a_stop_signal_ends_only_an_interruptible_wait(
             trio.from_thread.run_sync(release.set, trio_token=token)
             if sig == signal.SIGINT:
                 # The write returns, then Python raises the KeyboardInterrupt.
-                assert writer.stdout.readline().strip() == "interrupted"
+                assert next_line(writer) == "interrupted"
                 assert (c.interrupts, c.signals_ignored) == (1, 0)  # marked, never acted on
             else:
-                assert writer.stdout.readline().strip() == "SIGUSR1 handled"
-                assert writer.stdout.readline().strip() == "wrote 4096"
+                assert next_line(writer) == "SIGUSR1 handled"
+                assert next_line(writer) == "wrote 4096"
                 assert (c.interrupts, c.signals_ignored) == (0, 1)
             assert writer.wait(TIMEOUT) == 0
             assert bytes(tiny.files[3]) == b"x" * 4096

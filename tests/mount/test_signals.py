@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 
+from children import next_line
 from mounts import is_mounted, process_gone
 from waits import wait_for
 
@@ -64,7 +65,7 @@ def test_a_second_sigterm_unmounts_without_waiting(mounts, tmp_path):
     )
     try:
         assert writer.stdout is not None
-        assert writer.stdout.readline().strip() == "written"
+        assert next_line(writer) == "written"
         time.sleep(0.5)
         assert writer.poll() is None  # still in close()
         os.kill(m.pid, signal.SIGTERM)

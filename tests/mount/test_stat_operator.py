@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from children import next_line
 from ckptfs.fs.content.cachedfile import CachedFile
 from ckptfs.fs.content.state import FileRole, FileState, MirrorState
 from ckptfs.fs.daemon.statview import StatView, Viewer, progress
@@ -84,7 +85,7 @@ def writing(path: Path, size: int) -> Iterator[None]:
         text=True,
     )
     try:
-        assert proc.stdout is not None and proc.stdout.readline() == "written\n"
+        assert next_line(proc) == "written"
         yield
     finally:
         proc.communicate(timeout=30)  # end of input: it closes the file
@@ -242,7 +243,7 @@ def test_an_ordinary_user_sees_health_and_sums_but_no_other_users_file_names(
     os.chown(job, USER, USER)
     # The user's file, made durable; then root's, too big for the store.
     write = """
-        with open(sys.argv[2], "wb") as out:
+        with open(sys.argv[3], "wb") as out:
             out.write(os.urandom(100_000))
         print(json.dumps("written"))
     """

@@ -3,6 +3,7 @@ step, and the test waits for it (bounded), signals it, or tells it to go on."""
 
 from __future__ import annotations
 
+import os
 import select
 import signal
 import subprocess
@@ -11,12 +12,23 @@ import time
 TIMEOUT = 60
 
 
-def next_line(writer: subprocess.Popen[str], timeout: float = TIMEOUT) -> str:
-    """The writer's next line of output, waited for at most ``timeout`` seconds."""
-    assert writer.stdout is not None
-    ready, _, _ = select.select([writer.stdout], [], [], timeout)
-    assert ready, f"the writer printed nothing within {timeout}s"
-    return writer.stdout.readline().strip()
+def next_line(child: subprocess.Popen, timeout: float = TIMEOUT) -> str:
+    """The child's next line of output, stripped, waited for at most
+    ``timeout`` seconds in all. Read byte by byte from the pipe itself: a
+    buffered ``readline`` could take several lines into its buffer, where a
+    later ``select`` would not see them."""
+    assert child.stdout is not None
+    fd = child.stdout.fileno()
+    deadline = time.monotonic() + timeout
+    line = bytearray()
+    while not line.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        ready, _, _ = select.select([fd], [], [], max(left, 0))
+        assert ready, f"the child printed no whole line within {timeout}s: {bytes(line)!r}"
+        byte = os.read(fd, 1)
+        assert byte, f"the child closed its output after {bytes(line)!r} (exit {child.poll()})"
+        line += byte
+    return line.decode().strip()
 
 
 def interrupt(writer: subprocess.Popen[str], line: str) -> float:

@@ -14,6 +14,8 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from children import next_line
+
 FLOOD = r"""
 import os, selectors, socket, sys, time
 path, uid, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -67,9 +69,8 @@ def flood(path: str, uid: int, n: int) -> Iterator[subprocess.Popen[str]]:
         text=True,
     )
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.startswith("connected"), f"flood did not start: {line}{proc.stderr.read()}"
+        line = next_line(proc)
+        assert line.startswith("connected"), f"flood did not start: {line}"
         yield proc
     finally:
         proc.kill()

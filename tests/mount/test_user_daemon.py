@@ -30,6 +30,8 @@ NOBODY = 65534
 class UserMount(Mount):
     """A Mount whose every `ckptfs` command, daemon included, runs as nobody."""
 
+    mount_in_process = False
+
     def cli(self, *args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
         env = {**self.env, **(kw.pop("env", None) or {}), "HOME": str(self.root)}
         check = kw.pop("check", True)

@@ -1,37 +1,7 @@
-"""Multi-node features (membership, buddy mirroring, peer reads, takeover).
+"""Multi-node features: membership (heartbeats, who is alive), buddy
+mirroring and takeover (mirror), reads from peers (reads), and the
+authenticated transport they share (transport).
 
-Built so far: the authenticated peer transport that these features will use:
-``wire`` (the frame format), ``auth`` (the handshake between two nodes) and
-``transport`` (servers, clients, concurrent requests over one connection).
-The single-node filesystem in ``ckptfs.fs`` records holders in every manifest
-and keeps per-file state so that the features above can attach.
+Empty on purpose: ``ckptfs.peer.config`` is imported by every CLI command
+(through the config), which must not pay for trio and the transport.
 """
-
-from ckptfs.peer.transport.auth import AuthError
-from ckptfs.peer.transport.client import PeerConnection, connect
-from ckptfs.peer.transport.errors import (
-    ConnectionClosed,
-    PeerTimeout,
-    PeerUnreachable,
-    RemoteError,
-)
-from ckptfs.peer.transport.limits import Limits
-from ckptfs.peer.transport.transport import PeerClient, Request, Response, serve
-from ckptfs.peer.transport.wire import PeerError, ProtocolError
-
-__all__ = [
-    "AuthError",
-    "ConnectionClosed",
-    "Limits",
-    "PeerClient",
-    "PeerConnection",
-    "PeerError",
-    "PeerTimeout",
-    "PeerUnreachable",
-    "ProtocolError",
-    "RemoteError",
-    "Request",
-    "Response",
-    "connect",
-    "serve",
-]

@@ -83,6 +83,11 @@ class Lifecycle:
         if key is not None:
             # The record lists slots this change is about to overwrite.
             await self.journal.drop(key)
+            if f.state is not FileState.MODIFIED:
+                # A commit began during the wait (a snapshot without the
+                # change to come): MODIFIED again, or its publish would leave
+                # the file PUBLISHING with nobody to publish the change.
+                await self._begin_change(f)
 
     @staticmethod
     def _content_here(f: CachedFile) -> None:

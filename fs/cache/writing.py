@@ -53,6 +53,14 @@ class Writing:
                     if pos == off:
                         raise
                     break  # a short write: the pages before this one are written
+                if f.state is not FileState.MODIFIED and f.state is not FileState.UNLINKED:
+                    # A commit began while this write waited above (another
+                    # descriptor's close: a snapshot without these bytes).
+                    # Changed from here on, the file must be MODIFIED again, or
+                    # that commit's publish would leave it PUBLISHING, which
+                    # no later commit publishes. That takes an await: look again.
+                    await self._begin_change(f)
+                    continue
                 # No await from here to the end of this page.
                 if o > page.fill:
                     self.arena.zero(page.slot, page.fill, o)

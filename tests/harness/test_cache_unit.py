@@ -135,3 +135,83 @@ async def wait_until(predicate: Callable[[], bool], timeout: float = 10) -> None
     with trio.fail_after(timeout):
         while not predicate():
             await trio.sleep(0.01)
+
+
+def test_a_write_that_waited_while_a_commit_began_sends_the_file_back_to_modified(tmp_path):
+    """A write makes its file MODIFIED, then waits (here for cache space;
+    also a page-in or a copy of a pinned page); a commit begins meanwhile
+    (another descriptor's close: a child's exec, a reader's close) and takes
+    a snapshot without the write's bytes. When the write goes on, the file
+    must be MODIFIED again: the snapshot's publish leaves it so, and the
+    writer's close publishes what it wrote. Left PUBLISHING, nothing would:
+    the close skipped it and the file was never durable (fault trials, seed
+    5 trial 12), and a crash would have recovered the snapshot's older bytes."""
+
+    async def main() -> None:
+        cache = make_cache(tmp_path, capacity=4 << 20)
+        ps = cache.page_size
+        f = cache.new_file("f", "v0", "f.bin", 0o644, 0, 0)
+        g = cache.new_file("g", "v0", "g.bin", 0o644, 0, 0)
+        head, tail = random.randbytes(2 * ps), random.randbytes(ps // 2)
+        await cache.write(f, 0, head)
+        await cache.write(g, 0, random.randbytes(2 * ps))  # the 4 slots are taken
+        written: list[int] = []
+        async with trio.open_nursery() as nursery:
+
+            async def write_tail() -> None:
+                written.append(await cache.write(f, 2 * ps, tail))
+
+            nursery.start_soon(write_tail)
+            await wait_until(lambda: cache.waiting_writers == 1)
+            snap = cache.begin_publish(f, "v1")  # the commit, without the tail
+            assert snap.size == 2 * ps and f.state is FileState.PUBLISHING
+            cache.unlink(g)  # room: the write goes on
+        assert written == [len(tail)]
+        assert f.state is FileState.MODIFIED
+        assert not cache.published(snap)  # its pending manifest is already outdated
+        assert f.state is FileState.MODIFIED and f.modified and not f.owes_flush
+        # The writer's close commits the whole file.
+        snap = cache.begin_publish(f, "v2")
+        assert snap.size == 2 * ps + len(tail)
+        assert cache.published(snap) and f.state is FileState.PENDING
+        assert await cache.read(f, 0, f.size + 1) == head + tail
+
+    trio.run(main)
+
+
+def test_a_truncate_that_waited_for_a_record_while_a_commit_began_leaves_the_file_modified(
+    tmp_path,
+):
+    """The same for a change's first wait: a truncate of a PENDING file
+    waits until the journal record listing its slots is dropped (held here
+    by a save of that record); a commit that begins meanwhile takes a
+    snapshot without the truncation, and the file must be MODIFIED again
+    once the truncate has changed it."""
+
+    async def main() -> None:
+        cache = make_cache(tmp_path)
+        f = cache.new_file("f", "v0", "f.bin", 0o644, 0, 0)
+        data = random.randbytes(3 * cache.page_size)
+        await cache.write(f, 0, data)
+        assert cache.published(cache.begin_publish(f, "v1")) and f.state is FileState.PENDING
+        release = trio.Event()
+        async with trio.open_nursery() as nursery:
+
+            async def hold_record() -> None:
+                async with cache.journal.locked(("f", "v1")):
+                    await release.wait()
+
+            nursery.start_soon(hold_record)
+            await trio.sleep(0.01)
+            nursery.start_soon(cache.truncate, f, 10)
+            await wait_until(lambda: f.state is FileState.MODIFIED)  # waiting for the drop
+            snap = cache.begin_publish(f, "v2")  # the whole file: not truncated yet
+            assert snap.size == len(data)
+            release.set()
+        assert f.size == 10 and f.state is FileState.MODIFIED
+        assert not cache.published(snap) and f.state is FileState.MODIFIED
+        snap = cache.begin_publish(f, "v3")
+        assert snap.size == 10 and cache.published(snap) and f.state is FileState.PENDING
+        assert await cache.read(f, 0, 100) == data[:10]
+
+    trio.run(main)

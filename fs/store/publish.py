@@ -26,6 +26,7 @@ from ckptfs.fs.store.manifest import (
     manifest_from_fd,
     read_manifest,
     tmp_name,
+    write_all,
     write_manifest,
 )
 
@@ -79,6 +80,12 @@ def replace_manifest(
     """Replace the manifest at ``rel`` if it still belongs to ``file_id`` (and,
     with ``expect_version``, is still that version), or, with ``plain``, if
     that plain file is still there; ``before`` runs first."""
+    if expect_version is not None:
+        appended = _append_to_current(
+            call, root, rel, manifest, file_id, expect_version, before, key
+        )
+        if appended is not None:
+            return appended
     try:
         try:
             current, st = _manifest_and_stat(root, rel, key)
@@ -116,6 +123,67 @@ def replace_manifest(
         key=key,
     )
     return Published.DONE
+
+
+def _append_to_current(
+    call: Call[Published],
+    root: int,
+    rel: str,
+    manifest: Manifest,
+    file_id: str,
+    expect_version: str,
+    before: Callable[[], None] | None,
+    key: bytes | None,
+) -> Published | None:
+    """A flush's manifest appended as a record to the manifest file at
+    ``rel``, if that file holds exactly ``expect_version`` of ``file_id``;
+    None if it does not (or cannot be opened), for the check-then-rename
+    path to decide.
+
+    Why an append: the flush happens after the close returned, so it must
+    never change which file the name shows. A check of the name followed by
+    a rename over it is not atomic across nodes: another node's rename onto
+    the name in between (or for as long as this node is stopped between the
+    two) would be undone, its newer file replaced by this older one. The
+    check and the append here go through one descriptor, so they are of one
+    file: renamed meanwhile, the record goes with it; replaced or removed,
+    it lands on a file no name shows, which this reports (NAME_GONE)."""
+    flags = os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        with parent_dir(root, rel) as (dfd, name):
+            fd = os.open(name, flags, dir_fd=dfd)
+    except OSError:
+        return None  # gone, a symlink, a directory: the other path decides
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        try:
+            current = manifest_from_fd(fd, rel, key, st)
+        except ManifestError:
+            return None
+        if (
+            current is None
+            or not current.sealed
+            or current.file_id != file_id
+            or current.version != expect_version
+        ):
+            return None
+        if before is not None:
+            before()
+        if call.abandoned():  # the loop gave up on this call: a newer one may follow
+            return Published.STALE
+        write_all(fd, manifest.record(key, (st.st_uid, st.st_gid)))
+        os.fsync(fd)
+        if os.fstat(fd).st_nlink == 0:
+            return Published.NAME_GONE  # replaced or removed since it was opened
+        return Published.DONE
+    except OSError as exc:
+        if exc.errno == errno.ESTALE:  # NFS: removed by another client meanwhile
+            return Published.NAME_GONE
+        raise
+    finally:
+        os.close(fd)
 
 
 def _ours_or_older(current: Manifest, version: str, seq: int) -> bool:

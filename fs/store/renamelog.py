@@ -80,11 +80,12 @@ def write_record(dirs: StoreDirs, old: str, new: str, node: str) -> None:
         os.close(fd)
     os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
     fsync_dir(dfd)
-    _prune(dfd, now)
+    _prune(dirs, now)
 
 
-def _prune(dfd: int, now_ns: int) -> None:
-    for name in os.listdir(dfd):
+def _prune(dirs: StoreDirs, now_ns: int) -> None:
+    dfd = dirs.private(RENAMED)
+    for name in dirs.names(RENAMED):
         at = _time_of(name)
         try:
             if at is None:  # a temporary name a crash left: by its own age
@@ -129,7 +130,7 @@ class RenameLog:
 
     def records(self, dirs: StoreDirs) -> list[RenameRecord]:
         dfd = dirs.private(RENAMED)
-        names = os.listdir(dfd)
+        names = dirs.names(RENAMED)
         with self._lock:
             for name in names:
                 if name not in self._parsed and _time_of(name) is not None:

@@ -77,6 +77,17 @@ class StoreDirs:
             self._fds[sub] = fd
             return fd
 
+    def names(self, sub: str = "") -> list[str]:
+        """The names in ``.ckptfs/<sub>``, listed through a descriptor of its
+        own. A listing of the shared one (:meth:`private`) would read from a
+        directory offset that other threads' listings move at the same time
+        (every dup of a descriptor shares it), and miss names."""
+        fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self.private(sub))
+        try:
+            return os.listdir(fd)
+        finally:
+            os.close(fd)
+
     def manifest_key(self) -> bytes:
         """The key that seals this store's manifests, made by the first
         daemon that needs one (another node's, if it made it first)."""

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from manifests import manifest_body
 from mounts import Mount, is_mounted
 
 USER, GROUP = 65534, 65534
@@ -367,9 +368,9 @@ def test_a_forged_manifest_never_serves_another_files_bytes(attack: Attack) -> N
     secret = os.urandom(300_000)
     attack.secrets.append(secret)
     (private / "salary.pt").write_bytes(secret)
-    manifest = json.loads((attack.backing / "private/salary.pt").read_bytes().split(b"\n", 1)[1])
+    manifest = manifest_body(attack.backing / "private/salary.pt")
     attack.a.wait_durable()
-    durable = json.loads((attack.backing / "private/salary.pt").read_bytes().split(b"\n", 1)[1])
+    durable = manifest_body(attack.backing / "private/salary.pt")
     attack.reset_own()
     forgeries = {
         "pending": {**manifest, "mode": 0o644, "holders": [attack.a.stat()["node"]]},

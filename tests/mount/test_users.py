@@ -10,7 +10,6 @@ touches the mount.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 import stat
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from manifests import manifest_body
 from mounts import Mount, is_mounted
 from users import GROUP, OTHER, USER, run_as
 
@@ -28,10 +28,8 @@ MiB = 1 << 20
 
 
 def manifest_of(path: Path) -> dict[str, Any]:
-    """The JSON body of a manifest (after its magic line, docs/FORMAT.md)."""
-    magic, body = path.read_bytes().split(b"\n", 1)
-    assert magic == b"CKPTFS-MANIFEST 1", path
-    return json.loads(body)
+    """The JSON body of a manifest (its record in force, docs/FORMAT.md)."""
+    return manifest_body(path)
 
 
 def user_dir(m: Mount, name: str = "job") -> Path:

@@ -3,10 +3,11 @@ that store would write them (sealed with the store's key)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
-from ckptfs.fs.store.manifest import write_manifest
+from ckptfs.fs.store.manifest import MAGIC, write_manifest
 from ckptfs.fs.store.storedirs import CKPTFS_DIR, StoreDirs
 
 
@@ -31,3 +32,11 @@ def write_store_manifest(
     """A manifest written into a backing directory as a ckptfs daemon of that
     store would (sealed): for tests that stand for another node."""
     write_manifest(path, manifest, key=store_key(path.parent, backing), **kwargs)
+
+
+def manifest_body(path: Path) -> dict[str, Any]:
+    """The JSON of the manifest file at ``path``: its last record, the one
+    in force (docs/FORMAT.md: a flush appends its durable record)."""
+    magic, records = path.read_bytes().split(b"\n", 1)
+    assert magic + b"\n" == MAGIC, path
+    return json.loads(records.splitlines()[-1])

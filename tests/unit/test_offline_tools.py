@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from ckptfs.fs.store.chunking import plan_chunks
 from ckptfs.fs.store.chunkstore import CKPTFS_DIR, ChunkStore, chunk_hash
-from ckptfs.fs.store.manifest import MAGIC, Chunk, Manifest, new_id, tmp_name_for
+from ckptfs.fs.store.manifest import MAGIC, Chunk, Manifest, new_id, read_manifest, tmp_name_for
 from ckptfs.fs.store.retention import apply_retention
 from ckptfs.tools.offline import gc as gc_module
 from ckptfs.tools.offline.check import check
@@ -447,3 +447,29 @@ def test_format_doc_script_reassembles_a_sparse_file_with_its_times(
     st = os.stat(out)  # before reading it (relatime would move atime)
     assert (st.st_atime_ns, st.st_mtime_ns) == (manifest.atime_ns, manifest.mtime_ns)
     assert out.read_bytes() == bytes(expected)
+
+
+def test_format_doc_script_reads_the_last_record_of_a_flushed_manifest(
+    backing: Path, tmp_path: Path
+) -> None:
+    """A manifest its flush appended to (docs/FORMAT.md): a pending record,
+    the durable one, and a record a crash cut short after them."""
+    text = (Path(__file__).parents[2] / "docs" / "FORMAT.md").read_text()
+    script = text.split("```python\n")[-1].split("```")[0]
+    namespace: dict[str, object] = {"__name__": "format_doc"}
+    exec(compile(script, "FORMAT.md", "exec"), namespace)
+    data = torch_bytes(31, numel=50_000)
+    store_file(backing, "model.pt", data)
+    path = backing / "model.pt"
+    durable = read_manifest(path)
+    assert durable is not None and durable.state == "durable"
+    pending = Manifest(
+        durable.file_id, durable.version, durable.size, durable.mode, durable.mtime_ns,
+        "pending", ["n1"],
+    )  # fmt: skip
+    torn = durable.record()[:40]
+    path.write_bytes(pending.to_bytes() + durable.record() + torn)
+    assert read_manifest(path) == durable
+    out = tmp_path / "model.pt"
+    namespace["reassemble"](str(backing), str(path), str(out))  # type: ignore[operator]
+    assert out.read_bytes() == data

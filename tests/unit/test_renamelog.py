@@ -113,3 +113,40 @@ def test_the_follow_needs_no_order_and_ignores_records_of_renames_that_failed(tm
         assert log.follow(root, "tmp/x.pt", "f1") == "done/x.pt"
     finally:
         root.close()
+
+
+def test_concurrent_readers_each_see_every_record(tmp_path: Path):
+    """Store threads read the records at once (several flushes finding
+    their names gone after one directory rename), and a writer prunes them
+    meanwhile. Each must see every record: a listing of the directory's one
+    shared descriptor reads from an offset the others move, and a record
+    missed is a pending file dropped as removed (the fault trials' bug 3)."""
+    import threading
+
+    root = StoreDirs(tmp_path)
+    try:
+        for i in range(1200):
+            write_record(root, f"run/iter_{i:04d}.tmp", f"run/iter_{i:04d}", "n1")
+        seen: list[int] = []
+        lock = threading.Lock()
+
+        def read() -> None:
+            log = RenameLog()  # each its own parse cache: each lists the directory
+            for _ in range(10):
+                n = len(log.records(root))
+                with lock:
+                    seen.append(n)
+
+        def prune() -> None:
+            for _ in range(10):
+                renamelog._prune(root, time.time_ns())
+
+        threads = [threading.Thread(target=read) for _ in range(6)]
+        threads.append(threading.Thread(target=prune))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(seen) == 60 and set(seen) == {1200}, sorted(set(seen))
+    finally:
+        root.close()

@@ -186,7 +186,8 @@ def read_manifest(path: Path) -> dict[str, Any]:
     data = path.read_bytes()
     if not data.startswith(MAGIC):
         raise BenchError(f"{path} is not a ckptfs manifest")
-    return json.loads(data[len(MAGIC) :])
+    # The last record is the one in force (a flush appends its own).
+    return json.loads(data[len(MAGIC) :].splitlines()[-1])
 
 
 def hash_seconds(flush: dict[str, Any]) -> float:

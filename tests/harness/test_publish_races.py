@@ -8,6 +8,7 @@ directory stand for the two nodes; the rename is made in the flush's
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import trio
@@ -26,6 +27,15 @@ def pending(file_id: str, version: str, node: str, size: int = 10) -> Manifest:
 def durable(file_id: str, version: str, node: str, size: int = 10) -> Manifest:
     chunk = Chunk(0, size, "0" * 32)
     return Manifest(file_id, version, size, 0o644, 1, "durable", [node], [chunk], seq=1)
+
+
+async def flush_x1(node: Backing, rel: str, before: Callable[[], None]) -> Published:
+    """Node ``node``'s flush of x1 at version vx, at ``rel``; ``before``
+    runs after its check of the name and before its write."""
+    return await node.replace_manifest(
+        rel, durable("x1", "vx", "n1"), (UID, GID), file_id="x1", expect_version="vx",
+        before=before,
+    )  # fmt: skip
 
 
 def stores(tmp_path: Path) -> tuple[Path, Backing, Backing]:
@@ -49,14 +59,7 @@ def test_a_rename_onto_the_name_between_a_flushs_check_and_write_is_not_undone(t
         def n3_replaces() -> None:
             os.rename(root / "model.pt.tmp", root / "model.pt")
 
-        result = await n1.replace_manifest(
-            "model.pt",
-            durable("x1", "vx", "n1"),
-            (UID, GID),
-            file_id="x1",
-            expect_version="vx",
-            before=n3_replaces,
-        )
+        result = await flush_x1(n1, "model.pt", n3_replaces)
         assert result is Published.NAME_GONE
         m = read_manifest(root / "model.pt", key=n1.key)
         assert m is not None and (m.file_id, m.version, m.state) == ("y1", "vy", "pending")
@@ -80,14 +83,7 @@ def test_a_rename_of_the_file_itself_between_check_and_write_takes_the_durable_s
         def n2_renames() -> None:
             os.rename(root / "iter_1.tmp", root / "iter_1")
 
-        result = await n1.replace_manifest(
-            "iter_1.tmp/shard.pt",
-            durable("x1", "vx", "n1"),
-            (UID, GID),
-            file_id="x1",
-            expect_version="vx",
-            before=n2_renames,
-        )
+        result = await flush_x1(n1, "iter_1.tmp/shard.pt", n2_renames)
         assert result is Published.DONE
         m = read_manifest(root / "iter_1" / "shard.pt", key=n1.key)
         assert m is not None and (m.file_id, m.state, m.sealed) == ("x1", "durable", True)
@@ -119,5 +115,28 @@ def test_a_flush_of_a_version_no_longer_at_the_name_changes_nothing(tmp_path):
         )
         assert result is Published.NAME_GONE
         assert (root / "a.pt").read_bytes() == before
+
+    trio.run(main)
+
+
+def test_a_flush_never_appends_through_a_symlink_or_to_a_users_forgery(tmp_path):
+    """The name is user input (a login node's mount can put anything there):
+    a symlink to a file outside the store, or a copy of the manifest that
+    ckptfs did not seal. The flush writes to neither."""
+    root, n1, _ = stores(tmp_path)
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"root's file\n")
+
+    async def main() -> None:
+        await n1.create_manifest("a.pt", pending("x1", "vx", "n1"), UID, GID)
+        (root / "a.pt").unlink()
+        (root / "a.pt").symlink_to(outside)
+        assert await flush_x1(n1, "a.pt", lambda: None) is Published.NAME_GONE
+        assert outside.read_bytes() == b"root's file\n"
+        (root / "a.pt").unlink()
+        (root / "a.pt").write_bytes(pending("x1", "vx", "n1").to_bytes())  # unsealed
+        forged = (root / "a.pt").read_bytes()
+        assert await flush_x1(n1, "a.pt", lambda: None) is Published.NAME_GONE
+        assert (root / "a.pt").read_bytes() == forged
 
     trio.run(main)

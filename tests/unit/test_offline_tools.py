@@ -7,6 +7,7 @@ import os
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 from ckptfs.fs.store.chunking import plan_chunks
@@ -405,27 +406,28 @@ def test_retention_needs_keep_last_of_at_least_one(backing: Path, tmp_path: Path
 
 
 # --- docs/FORMAT.md -------------------------------------------------------------
-
-
-def test_format_doc_script_reassembles(backing: Path, tmp_path: Path) -> None:
+def format_doc_reassemble() -> Any:
+    """The ``reassemble`` function of docs/FORMAT.md's script, run as printed."""
     text = (Path(__file__).parents[2] / "docs" / "FORMAT.md").read_text()
     script = text.split("```python\n")[-1].split("```")[0]
     namespace: dict[str, object] = {"__name__": "format_doc"}
     exec(compile(script, "FORMAT.md", "exec"), namespace)
+    return namespace["reassemble"]
+
+
+def test_format_doc_script_reassembles(backing: Path, tmp_path: Path) -> None:
+    reassemble = format_doc_reassemble()
     data = torch_bytes(30, numel=100_000)
     store_file(backing, "model.pt", data)
     out = tmp_path / "model.pt"
-    namespace["reassemble"](str(backing), str(backing / "model.pt"), str(out))  # type: ignore[operator]
+    reassemble(str(backing), str(backing / "model.pt"), str(out))
     assert out.read_bytes() == data
 
 
 def test_format_doc_script_reassembles_a_sparse_file_with_its_times(
     backing: Path, tmp_path: Path
 ) -> None:
-    text = (Path(__file__).parents[2] / "docs" / "FORMAT.md").read_text()
-    script = text.split("```python\n")[-1].split("```")[0]
-    namespace: dict[str, object] = {"__name__": "format_doc"}
-    exec(compile(script, "FORMAT.md", "exec"), namespace)
+    reassemble = format_doc_reassemble()
     store = ChunkStore(backing)
     head, middle = os.urandom(5000), os.urandom(7000)
     chunks = []
@@ -440,7 +442,7 @@ def test_format_doc_script_reassembles_a_sparse_file_with_its_times(
     )  # fmt: skip
     write_store_manifest(backing / "sparse.bin", manifest, backing, sync=False)
     out = tmp_path / "sparse.bin"
-    namespace["reassemble"](str(backing), str(backing / "sparse.bin"), str(out))  # type: ignore[operator]
+    reassemble(str(backing), str(backing / "sparse.bin"), str(out))
     expected = bytearray(size)
     expected[: len(head)] = head
     expected[1 << 20 : (1 << 20) + len(middle)] = middle
@@ -454,10 +456,7 @@ def test_format_doc_script_reads_the_last_record_of_a_flushed_manifest(
 ) -> None:
     """A manifest its flush appended to (docs/FORMAT.md): a pending record,
     the durable one, and a record a crash cut short after them."""
-    text = (Path(__file__).parents[2] / "docs" / "FORMAT.md").read_text()
-    script = text.split("```python\n")[-1].split("```")[0]
-    namespace: dict[str, object] = {"__name__": "format_doc"}
-    exec(compile(script, "FORMAT.md", "exec"), namespace)
+    reassemble = format_doc_reassemble()
     data = torch_bytes(31, numel=50_000)
     store_file(backing, "model.pt", data)
     path = backing / "model.pt"
@@ -471,5 +470,5 @@ def test_format_doc_script_reads_the_last_record_of_a_flushed_manifest(
     path.write_bytes(pending.to_bytes() + durable.record() + torn)
     assert read_manifest(path) == durable
     out = tmp_path / "model.pt"
-    namespace["reassemble"](str(backing), str(path), str(out))  # type: ignore[operator]
+    reassemble(str(backing), str(path), str(out))
     assert out.read_bytes() == data

@@ -82,7 +82,7 @@ def replace_manifest(
     that plain file is still there; ``before`` runs first."""
     if expect_version is not None:
         appended = _append_to_current(
-            call, root, rel, manifest, file_id, expect_version, before, key
+            call, root, rel, manifest, owner, file_id, expect_version, before, key
         )
         if appended is not None:
             return appended
@@ -130,6 +130,7 @@ def _append_to_current(
     root: int,
     rel: str,
     manifest: Manifest,
+    owner: tuple[int, int],
     file_id: str,
     expect_version: str,
     before: Callable[[], None] | None,
@@ -137,8 +138,8 @@ def _append_to_current(
 ) -> Published | None:
     """A flush's manifest appended as a record to the manifest file at
     ``rel``, if that file holds exactly ``expect_version`` of ``file_id``;
-    None if it does not (or cannot be opened), for the check-then-rename
-    path to decide.
+    None if it does not (or cannot be opened), or if the file's owner or
+    mode changed since, for the check-then-rename path to decide.
 
     Why an append: the flush happens after the close returned, so it must
     never change which file the name shows. A check of the name followed by
@@ -157,6 +158,12 @@ def _append_to_current(
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
+            return None
+        if (st.st_uid, st.st_gid) != owner or stat.S_IMODE(st.st_mode) != manifest.mode & 0o7777:
+            # A chown or chmod since the pending publish: the manifest file's
+            # owner and bits are the file's (docs/FORMAT.md), and only a new
+            # manifest file gets them safely (an owner changed in place would
+            # unseal the records before it).
             return None
         try:
             current = manifest_from_fd(fd, rel, key, st)

@@ -157,12 +157,22 @@ def backing_manifests(backing: Path) -> dict[str, dict[str, Any]]:
             path = Path(root) / name
             if _is_ckptfs_tmp(name) or path.is_symlink():
                 continue
-            with open(path, "rb") as f:
-                if f.read(len(MAGIC)) != MAGIC:
-                    continue  # a plain file
-                body = json.loads(f.read())
-            found[str(path.relative_to(backing))] = body
+            data = path.read_bytes()
+            if not data.startswith(MAGIC):
+                continue  # a plain file
+            found[str(path.relative_to(backing))] = last_record(path, data[len(MAGIC) :])
     return found
+
+
+def last_record(path: Path, records: bytes) -> dict[str, Any]:
+    """The record in force of a manifest (docs/FORMAT.md): the last whole
+    JSON line; a record cut short by a crash is skipped."""
+    for line in reversed(records.splitlines()):
+        try:
+            return dict(json.loads(line))
+        except ValueError:
+            continue
+    raise AssertionError(f"{path}: a manifest with no whole record")
 
 
 def describe_manifest(body: dict[str, Any]) -> str:

@@ -167,9 +167,10 @@ class Oracle:
             if got in allowed:
                 return None
             versions = {h: self.contents[h] for h in allowed if h in self.contents}
+            others = {h: v for h, v in self.contents.items() if h not in versions}
         failure = (
             f"WRONG BYTES: a read of {path} on {node} returned {len(data)} bytes "
-            f"(sha256 {short(got)}) that no version of it had: {explain(data, versions)}"
+            f"(sha256 {short(got)}) that no version of it had: {explain(data, versions, others)}"
         )
         with self._lock:
             self.failures.append(failure)
@@ -271,15 +272,29 @@ class Oracle:
         return [op.describe() for op in sorted(self.ops.get(path, []), key=lambda o: o.t0)]
 
 
-def explain(data: bytes, versions: dict[str, bytes], block: int = 4096) -> str:
+def explain(
+    data: bytes,
+    versions: dict[str, bytes],
+    others: dict[str, bytes] | None = None,
+    block: int = 4096,
+) -> str:
     """Which versions ``data`` has bytes of, block by block: a torn read
-    (two versions), a stale size, a prefix, or bytes of no version at all."""
+    (two versions), a stale size, a prefix, or bytes of no version at all.
+    A block of no version is named by a content of another path that has it
+    at that offset (``other:DIGEST``: bytes crossed between files), as
+    ``zero`` if it is all zero bytes, else ``none``."""
     sizes = ", ".join(f"{short(h)}={len(v)}B" for h, v in sorted(versions.items()))
     runs: list[str] = []
     for off in range(0, len(data), block):
         piece = data[off : off + block]
         owners = [short(h) for h, v in sorted(versions.items()) if v[off : off + block] == piece]
-        label = "/".join(owners[:3]) if owners else "none"
+        if not owners:
+            owners = [
+                f"other:{short(h)}"
+                for h, v in sorted((others or {}).items())
+                if v[off : off + block] == piece
+            ]
+        label = "/".join(owners[:3]) if owners else ("zero" if not piece.strip(b"\0") else "none")
         if runs and runs[-1].split("@")[0] == label:
             continue
         runs.append(f"{label}@{off}")

@@ -48,7 +48,11 @@ class PeerNode:
         contexts = ssl_contexts(config)
         self._server_tls, self._client_tls = contexts if contexts else (None, None)
         self.membership = Membership(
-            config, ssl_context=self._client_tls, on_alive=self._alive, on_dead=self._dead
+            config,
+            ssl_context=self._client_tls,
+            on_alive=self._alive,
+            on_dead=self._dead,
+            on_restarted=self._restarted,
         )
         self.reads = ReadServer(
             local_read, partial(cache.changing, writer_alive=self.membership.is_alive)
@@ -141,6 +145,7 @@ class PeerNode:
                     address=addresses[self.config.buddy],
                     timeout=self.config.timeout,
                     is_alive=self.membership.is_alive,
+                    incarnation=self.membership.incarnation,
                 )
                 nursery.start_soon(self.mirror_client.run)
             nursery.start_soon(self.mirror_server.sweep)
@@ -193,6 +198,13 @@ class PeerNode:
         # The membership has already logged the death.
         if name in self.config.mirrored_for() and self._nursery is not None:
             self.mirror_server.take_over_soon(name, self._nursery)
+
+    def _restarted(self, name: str) -> None:
+        # Back as a new process before its death was noticed: it may have
+        # lost what it committed with its cache, and is never declared dead.
+        incarnation = self.membership.peer(name).incarnation
+        if name in self.config.mirrored_for() and self._nursery is not None and incarnation:
+            self.mirror_server.take_over_soon(name, self._nursery, restarted_as=incarnation)
 
     def stats(self) -> list[dict[str, Any]]:
         return list(self.membership.stats()["peers"])

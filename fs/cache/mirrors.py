@@ -227,11 +227,13 @@ class Mirroring:
         spilled: dict[int, tuple[Chunk, int]],
         base: ChunkMap,
         floor: int,
+        incarnation: str = "",
     ) -> list[int]:
         """The writer published (or is about to publish) ``manifest`` for the
         content streamed under ``mid``: ``ram`` lists (gen, fill) per page the
         buddy must hold, ``spilled`` the pages already in chunks, ``floor``
-        the writer's newest generation for the content at its snapshot.
+        the writer's newest generation for the content at its snapshot,
+        ``incarnation`` the writer daemon's that committed it.
         Returns the pages whose generation does not match (to send again);
         when none, the mirror is that version, PENDING, and serves it, and
         pages at or below ``floor`` arriving later add nothing. A commit
@@ -271,6 +273,7 @@ class Mirroring:
         f.chunking, f.base = manifest.chunking, base
         f.holders = list(manifest.holders)
         f.mirror_floor = floor
+        f.origin_incarnation = incarnation
         move(f, FileState.PENDING)
         f.content_gen = next(self._gen)
         f.closed_at = time.time()

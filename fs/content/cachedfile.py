@@ -162,6 +162,9 @@ class CachedFile:
     # generations start again); for a MIRROR, the writer node it came from.
     mirror_id: str = field(default_factory=new_id)
     origin: str = ""
+    # A MIRROR's writer process (its daemon's incarnation) that committed
+    # it: one that restarted since will never flush it (peer/node.py).
+    origin_incarnation: str = ""
     prior_paths: list[str] = field(default_factory=list)  # a mirror's paths before renames
     # A MIRROR's generation floor: the writer's newest generation for this
     # content when the mirror was last committed (the commit's snapshot). A

@@ -17,7 +17,9 @@ Each peer is ``unknown`` (not heard from since start), ``alive`` or ``dead``:
   quick and its cache survives it, so a takeover would be wasted work.
 
 ``on_alive(name)`` and ``on_dead(name)`` are called on each change into that
-state (also unknown -> dead, for a peer that never answered). They run inside
+state (also unknown -> dead, for a peer that never answered);
+``on_restarted(name)`` when a peer answers as a new process (another
+incarnation), whether or not it was missed in between. They run inside
 the membership's task and must not block: start a task or send on a channel
 for any work that waits. An exception in a callback is logged and ignored.
 
@@ -130,6 +132,7 @@ class Membership:
         limits: Limits = DEFAULT_LIMITS,
         on_alive: Callback | None = None,
         on_dead: Callback | None = None,
+        on_restarted: Callback | None = None,
     ) -> None:
         self.config = config
         self.node = config.node
@@ -138,6 +141,7 @@ class Membership:
         self._limits = limits
         self._on_alive = on_alive
         self._on_dead = on_dead
+        self._on_restarted = on_restarted
         self._peers = {name: PeerState(name, config.nodes[name]) for name in config.peers}
         self._changed = trio.Event()  # set and replaced on every status change
         self._started: float | None = None
@@ -340,6 +344,11 @@ class Membership:
                 self._on_alive(peer.name)
             except Exception:
                 log.exception("alive callback for restarted peer %r failed", peer.name)
+        if restarted and self._on_restarted is not None:
+            try:
+                self._on_restarted(peer.name)
+            except Exception:
+                log.exception("restarted callback for peer %r failed", peer.name)
 
     def _failed(self, peer: PeerState, error: str) -> None:
         peer.failures += 1

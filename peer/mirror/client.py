@@ -86,10 +86,14 @@ class MirrorClient:
         address: tuple[str, int],
         timeout: float,
         is_alive: Callable[[str], bool],
+        incarnation: str = "",
     ) -> None:
         self.cache = cache
         self.client = client
         self.node = node
+        # This daemon process (Membership.incarnation), named in every
+        # commit: the buddy takes over what an earlier process committed.
+        self.incarnation = incarnation
         self.buddy = buddy
         self.timeout = timeout
         self.is_alive = is_alive
@@ -188,6 +192,7 @@ class MirrorClient:
                     "base": [[c.offset, c.length, c.hash] for c in snap.base.chunks],
                     "base_end": snap.base.end,
                     "floor": floor,
+                    "incarnation": self.incarnation,
                 },
                 separators=(",", ":"),
             ).encode()

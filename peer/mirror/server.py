@@ -305,16 +305,21 @@ class MirrorServer:
             spilled,
             base,
             floor,
+            # Which process of the writer committed it: a mirror of one
+            # that restarted since is taken over (peer/node.py).
+            one_line(body.get("incarnation", ""), 64),
         )
         return Response(meta={"missing": missing})
 
-    def take_over_soon(self, origin: str, nursery: trio.Nursery) -> None:
+    def take_over_soon(
+        self, origin: str, nursery: trio.Nursery, *, restarted_as: str | None = None
+    ) -> None:
         """take_over in ``nursery``, counted as under way from this moment."""
         self.cache.begin_takeover()
 
         async def run() -> None:
             try:
-                await self.take_over(origin, begun=True)
+                await self.take_over(origin, begun=True, restarted_as=restarted_as)
             finally:
                 self.cache.end_takeover()
 
@@ -324,28 +329,42 @@ class MirrorServer:
             self.cache.end_takeover()
             raise
 
-    async def take_over(self, origin: str, *, begun: bool = False) -> int:
+    async def take_over(
+        self, origin: str, *, begun: bool = False, restarted_as: str | None = None
+    ) -> int:
         """``origin`` died: flush every version of it mirrored here that is
         still pending at its path. (A version already durable or replaced
         there needs nothing; the fenced publish is what guarantees it, this
         look only saves hashing a checkpoint for nothing.) ``begun``: the
-        caller counts it as under way (take_over_soon)."""
+        caller counts it as under way (take_over_soon).
+
+        ``restarted_as``: ``origin`` did not die for us but came back as a
+        new process (that incarnation) before its death was noticed. What
+        its old process committed it may have lost with its cache, and no
+        one else flushes it: those versions are taken over (if it kept its
+        cache, it flushes them too, and the fenced publish lets one win).
+        What the new process mirrors is its own, left alone."""
         if begun:
-            taken = await self._take_over(origin)
+            taken = await self._take_over(origin, restarted_as)
         else:
             with self.cache.taking_over():
-                taken = await self._take_over(origin)
+                taken = await self._take_over(origin, restarted_as)
         self.takeovers += taken
-        log.info("peer %s dead: took over %d mirrored file(s)", origin, taken)
+        why = "dead" if restarted_as is None else "restarted"
+        log.info("peer %s %s: took over %d mirrored file(s)", origin, why, taken)
         return taken
 
-    async def _take_over(self, origin: str) -> int:
+    async def _take_over(self, origin: str, restarted_as: str | None = None) -> int:
         taken = 0
         for f in self.cache.mirrors_of(origin):
             if f.role is not FileRole.MIRROR:
                 continue
+            if restarted_as is not None and (
+                f.state is not FileState.PENDING or f.origin_incarnation == restarted_as
+            ):
+                continue  # the live process's: being sent, or committed by it
             if f.state is FileState.PENDING:
-                version = f.version
+                version, committed_by = f.version, f.origin_incarnation
                 try:
                     m = await self._manifest_of(f)
                 except (OSError, ManifestError) as exc:
@@ -360,6 +379,7 @@ class MirrorServer:
                     f.role is not FileRole.MIRROR
                     or f.version != version
                     or f.state is not FileState.PENDING
+                    or f.origin_incarnation != committed_by
                 ):
                     continue  # changed hands, committed again or dropped while we looked
                 if m is not None and (m.version != f.version or m.state != "pending"):

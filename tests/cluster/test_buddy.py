@@ -8,6 +8,7 @@ the buddy of n1, n3 of n2 and n1 of n3.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -438,6 +439,46 @@ def test_a_restarted_buddy_is_given_the_pending_files_again(mounts, tmp_path):
         "n2 makes a.pt durable",
     )
     assert (n2.mnt / "a.pt").read_bytes() == data
+
+
+def test_a_writer_restarted_with_no_cache_before_its_death_was_noticed_is_taken_over(
+    mounts, tmp_path
+):
+    """n1 crashes, loses its cache (its node's RAM) and is mounted again
+    before n2 declared it dead: n2 never sees a death, but the new process
+    answers as another incarnation, so n2 takes over what the old one
+    committed. What the new process writes stays its own."""
+    config = cluster_config(tmp_path, {"n1": free_port(), "n2": free_port()}, timeout=30)
+    slow = {"CKPTFS_FLUSH_BANDWIDTH": SLOW}
+    n1, n2 = mounts("n1"), mounts("n2")
+    n1.mount("--config", str(config), "--node", "n1", env=slow)
+    n2.mount("--config", str(config), "--node", "n2")
+    wait_for(lambda: peers_of(n1)["n2"]["alive"] and peers_of(n2)["n1"]["alive"], 30, "alive")
+    old = os.urandom(5 * MiB + 99)
+    (n1.mnt / "old.pt").write_bytes(old)
+    info = file_info(n1, "old.pt")
+    assert info is not None and info["holders"] == ["n1", "n2"], info
+    for m in (n1, n2):
+        m.allowed_log += PEER_LOGS + ["is dead", "taking over", "restarted", "timed out"]
+    n1.kill()
+    shutil.rmtree(n1.cache_dir)
+    n1.mount("--config", str(config), "--node", "n1", env=slow)
+    wait_for(
+        lambda: (m := read_manifest(n1.backing / "old.pt")) is not None and m.state == "durable",
+        60,
+        "n2 makes old.pt durable",
+    )
+    assert read_manifest(n1.backing / "old.pt").holders == ["n2"]  # type: ignore[union-attr]
+    assert "peer n1 restarted: took over 1 mirrored file(s)" in n2.log()
+    assert "is dead" not in n2.log()  # never declared dead: the restart was noticed
+    # The new process's file is mirrored to n2 and left to it.
+    new = os.urandom(3 * MiB + 5)
+    (n1.mnt / "new.pt").write_bytes(new)
+    info = file_info(n1, "new.pt")
+    assert info is not None and info["holders"] == ["n1", "n2"], info
+    assert n2.stat()["mirroring"]["takeovers"] == 1
+    assert (n2.mnt / "old.pt").read_bytes() == old
+    assert (n2.mnt / "new.pt").read_bytes() == new
 
 
 USER_SAVE = """

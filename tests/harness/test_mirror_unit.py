@@ -1310,6 +1310,49 @@ def test_a_mirror_dropped_during_a_takeovers_look_is_not_taken_over(tmp_path: Pa
     trio.run(main)
 
 
+def test_a_restarted_writers_takeover_takes_only_what_its_old_process_committed(
+    tmp_path: Path,
+):
+    """n1 came back as process "new" before it was missed. Its old process's
+    committed mirror is taken over; what the new one committed, and what
+    it is sending now (uncommitted), stay mirrors of the live writer."""
+
+    async def main() -> None:
+        cache = make_cache(tmp_path, "n2")
+        queued: list[CachedFile] = []
+        cache.on_pending = queued.append
+        data = {f"f{i}": os.urandom(1000 + i) for i in (1, 2, 3)}
+        for i, (fid, body) in enumerate(data.items(), 1):
+            mid = f"m{i}"
+            assert await cache.mirror_page("n1", mid, fid, 0, 1, memoryview(body), timeout=1)
+            if i == 3:
+                continue  # still being sent
+            m = pending(fid, "v1", ["n1", "n2"])
+            m.size = len(body)
+            ram = {0: (1, len(body))}
+            incarnation = "old" if i == 1 else "new"
+            assert cache.mirror_commit("n1", mid, m, f"{fid}.pt", 0, 0, ram, {}, ChunkMap(), 1,
+                                       incarnation) == []  # fmt: skip
+
+        async def manifest_at(path: str) -> Manifest | None:
+            fid = path.removesuffix(".pt")
+            m = pending(fid, "v1", ["n1", "n2"])
+            m.size = len(data[fid])
+            return m
+
+        server = MirrorServer(cache, mirrored_for=("n1",), timeout=0.2,
+                              manifest_at=manifest_at, is_alive=lambda name: True)  # fmt: skip
+        assert await server.take_over("n1", restarted_as="new") == 1
+        (f,) = queued
+        assert f.file_id == "f1" and f.role is FileRole.TAKEOVER
+        assert bytes(await cache.read(f, 0, len(data["f1"]))) == data["f1"]
+        for mid in ("m2", "m3"):
+            assert cache.mirrors[mid].role is FileRole.MIRROR
+        assert cache.mirrors["m2"].state is FileState.PENDING
+
+    trio.run(main)
+
+
 def test_a_takeover_never_publishes_over_the_version_made_durable(tmp_path: Path):
     """The writer made the version durable (it only seemed dead): the fenced
     publish of the takeover, matched by file id and version, must leave

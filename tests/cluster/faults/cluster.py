@@ -33,6 +33,7 @@ from ckptfs.tools.control import ControlError, request
 from countingfs import CountingMount, counting_mount
 from mounts import is_mounted
 
+from . import spawner
 from .netns import Network
 
 PEER_PORT = 7070
@@ -150,6 +151,10 @@ class Cluster:
         self.close()
 
     def open(self) -> None:
+        # First: every command from here on starts from a process that has
+        # none of the workload's files open (faults/spawner.py).
+        spawner.start()
+        self._stack.callback(spawner.stop)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.run_dir.mkdir(exist_ok=True)
         self._stack.callback(self.net.close)
@@ -218,9 +223,7 @@ class Cluster:
             if self.closing:
                 raise ClusterError(f"not mounting {node.name}: the cluster is closing")
             try:
-                done = subprocess.run(
-                    argv, env=node.env, capture_output=True, text=True, timeout=MOUNT_TIMEOUT + 10
-                )
+                done = spawner.run(argv, env=node.env, timeout=MOUNT_TIMEOUT + 10)
             except subprocess.TimeoutExpired:
                 raise ClusterError(f"mount of {node.name} did not return in time") from None
         if done.returncode != 0 or not is_mounted(node.mnt):
@@ -286,11 +289,9 @@ class Cluster:
     def cli(self, name: str, *args: str, timeout: float = CLI_TIMEOUT) -> tuple[int, str]:
         """``ckptfs ARGS`` as the operator runs it on ``name``: (exit code, output)."""
         try:
-            done = subprocess.run(
+            done = spawner.run(
                 [*self.net.nsenter(name), sys.executable, "-m", "ckptfs", *args],
                 env=self.nodes[name].env,
-                capture_output=True,
-                text=True,
                 timeout=timeout,
             )
         except subprocess.TimeoutExpired:
@@ -356,7 +357,7 @@ def wait_gone(pid: int, timeout: float) -> bool:
 def detach(mnt: Path) -> None:
     """Lazy unmount of ``mnt`` if mounted: it goes now, whatever still uses it."""
     if is_mounted(mnt):
-        subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True, timeout=30)
+        spawner.run(["fusermount3", "-u", "-z", str(mnt)], timeout=30)
 
 
 def dump_json(data: Any) -> str:

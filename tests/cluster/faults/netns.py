@@ -29,6 +29,8 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import spawner
+
 NETNS_DIR = Path("/var/run/netns")
 PREFIX = "ckft"
 SUBNET = "198.18.0"
@@ -43,7 +45,7 @@ class NetError(RuntimeError):
 def run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run one command, bounded; a failure names the command and its stderr."""
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
+        done = spawner.run(argv, timeout=COMMAND_TIMEOUT)
     except subprocess.TimeoutExpired:
         raise NetError(f"{' '.join(argv)}: no answer within {COMMAND_TIMEOUT:g}s") from None
     if check and done.returncode != 0:

@@ -182,7 +182,11 @@ class Workload:
             if not up:
                 return
             ok, _, data = self.op(node, f"read {rel}", lambda: (self.mnt(node) / rel).read_bytes())
-            if ok and data is not None:
+            # Judged only if no write in place began on this node meanwhile
+            # (the reader chose the node before it did): a node's own
+            # writer's bytes show before its close. Such nodes only ever
+            # join, so still readable now means readable all along.
+            if ok and data is not None and self.oracle.readable_on(rel, node):
                 failure = self.oracle.check_read(rel, data, node)
                 if failure:
                     self.log.add(failure)

@@ -439,9 +439,19 @@ class Cache(Lifecycle, Mirroring, Memory, Reading, Writing):
         f.ino = ino
         f.orphan_inodes += unlinked
 
-    def inode_unlinked(self, f: CachedFile) -> None:
-        """An inode reading ``f`` lost its name (kept until FORGET)."""
+    def inode_unlinked(self, f: CachedFile) -> bool:
+        """An inode reading ``f`` lost its name: ``f`` is kept for it until
+        FORGET. False if ``f`` is gone already (retired and dropped, its
+        bytes released): there is nothing to keep."""
+        if self.gone(f):
+            return False
         f.orphan_inodes += 1
+        return True
+
+    def gone(self, f: CachedFile) -> bool:
+        """Whether ``f`` was retired and dropped: no name, no reader, and its
+        pages back in the arena. Nothing may read it any more."""
+        return f.unlinked and f not in self.retired
 
     def inode_detached(self, f: CachedFile) -> None:
         """An unlinked inode no longer reads ``f`` (FORGET, or it reads

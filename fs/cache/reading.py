@@ -53,6 +53,10 @@ class Reading:
         """Bytes of ``f``; ``view_ok`` and ``into``: see RangeReader.read."""
         if f.lost:
             raise FileLost(f"{f.path}: bytes lost ({f.lost_reason or 'no holder'})")
+        if self.gone(f):
+            # Nothing that reads a file lets it go (fs/namespace/inodes.py):
+            # a read here would serve released pages as zeros.
+            raise OSError(errno.ESTALE, f"{f.path}: this version is gone; open the name again")
         self._touch(f)
         end = min(off + size, f.size)
         if end <= off:
@@ -69,8 +73,8 @@ class Reading:
     def read_now(self, f: CachedFile, off: int, size: int) -> list[memoryview] | bytes | None:
         """Bytes of ``f`` as views of the arena, if none needs a wait; None if
         one does (``read`` then waits for it)."""
-        if not _bytes_here(f):
-            return None
+        if not _bytes_here(f) or self.gone(f):
+            return None  # (read says why)
         end = min(off + size, f.size)
         views = self.reader.read_now(f, off, end, frames_ok=True) if end > off else []
         if views is None:

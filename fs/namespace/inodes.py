@@ -38,7 +38,7 @@ class FileRefs(Protocol):
 
     def inode_attached(self, f: CachedFile, ino: int, unlinked: bool) -> None: ...
 
-    def inode_unlinked(self, f: CachedFile) -> None: ...
+    def inode_unlinked(self, f: CachedFile) -> bool: ...
 
     def inode_detached(self, f: CachedFile) -> None: ...
 
@@ -180,8 +180,12 @@ class InodeTable:
         self._unname(inode.parent, inode.name)
         if not inode.unlinked:
             inode.unlinked = True
-            if inode.file is not None:
-                self._refs.inode_unlinked(inode.file)  # kept for the kernel's last uses
+            # Kept for the kernel's last uses, unless it went already (its
+            # name changed on another node and nothing held it): then an
+            # open is sent back to the name (ESTALE), never given a file
+            # with no bytes left, which would read as zeros.
+            if inode.file is not None and not self._refs.inode_unlinked(inode.file):
+                inode.file = None
         self._free_unused(inode)
 
     def _needed(self, inode: Inode) -> bool:

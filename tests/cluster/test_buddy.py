@@ -19,6 +19,7 @@ from pathlib import Path
 from children import next_line
 from ckptfs.fs.store.manifest import read_manifest
 from clusters import cluster, cluster_config, peers_of
+from manifests import durable_now
 from mounts import Mount, free_port
 from users import GROUP, USER, run_as
 from waits import wait_for
@@ -94,14 +95,8 @@ def test_kill_9_of_the_writer_after_close_its_buddy_makes_the_files_durable(moun
     for m in (n2, n3):
         m.allowed_log += PEER_LOGS + ["is dead", "taking over"]
 
-    def durable() -> bool:
-        for rel in files:
-            m = read_manifest(n1.backing / rel)
-            if m is None or m.state != "durable":
-                return False
-        return True
-
-    wait_for(durable, 60, "the buddy made n1's files durable")
+    wait_for(lambda: all(durable_now(n1.backing / rel) for rel in files), 60,
+             "the buddy made n1's files durable")  # fmt: skip
     for rel, data in files.items():
         m = read_manifest(n1.backing / rel)
         assert m is not None and m.holders == ["n2"], m
@@ -434,7 +429,7 @@ def test_a_restarted_buddy_is_given_the_pending_files_again(mounts, tmp_path):
     assert "mirrored again" in n1.log()
     n1.kill()
     wait_for(
-        lambda: (m := read_manifest(n1.backing / "a.pt")) is not None and m.state == "durable",
+        lambda: durable_now(n1.backing / "a.pt"),
         60,
         "n2 makes a.pt durable",
     )
@@ -464,7 +459,7 @@ def test_a_writer_restarted_with_no_cache_before_its_death_was_noticed_is_taken_
     shutil.rmtree(n1.cache_dir)
     n1.mount("--config", str(config), "--node", "n1", env=slow)
     wait_for(
-        lambda: (m := read_manifest(n1.backing / "old.pt")) is not None and m.state == "durable",
+        lambda: durable_now(n1.backing / "old.pt"),
         60,
         "n2 makes old.pt durable",
     )
@@ -528,11 +523,8 @@ def test_an_ordinary_users_checkpoint_outlives_its_node_and_resumes_on_another(
     n1.kill()
     n3.allowed_log.append("is not mirrored (buddy n1 is down)")  # n1 was n3's buddy
 
-    def durable() -> bool:
-        m = read_manifest(n1.backing / rel)
-        return m is not None and m.state == "durable" and m.holders == ["n2"]
-
-    wait_for(durable, 60, "n2 makes the user's checkpoint durable")
+    wait_for(lambda: durable_now(n1.backing / rel, ["n2"]), 60,
+             "n2 makes the user's checkpoint durable")  # fmt: skip
     st = (n1.backing / rel).stat()
     assert (st.st_uid, st.st_gid) == (USER, GROUP)
     assert run_as(USER, GROUP, USER_LOAD, str(n3.mnt / rel), "1", "1") == [True, 1]
@@ -595,7 +587,7 @@ def test_a_file_recovered_after_a_daemon_crash_and_renamed_is_taken_over_at_its_
 
     n1.kill()
     wait_for(
-        lambda: (m := read_manifest(n1.backing / "model.pt")) is not None and m.state == "durable",
+        lambda: durable_now(n1.backing / "model.pt"),
         60,
         "n2 makes model.pt durable",
     )

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ckptfs.fs.store.manifest import MAGIC, write_manifest
+from ckptfs.fs.store.manifest import MAGIC, Manifest, read_manifest, write_manifest
 from ckptfs.fs.store.storedirs import CKPTFS_DIR, StoreDirs
 
 
@@ -40,3 +40,19 @@ def manifest_body(path: Path) -> dict[str, Any]:
     magic, records = path.read_bytes().split(b"\n", 1)
     assert magic + b"\n" == MAGIC, path
     return json.loads(records.splitlines()[-1])
+
+
+def manifest_now(path: Path) -> Manifest | None:
+    """The manifest at ``path`` as a poll sees it: None while nothing is
+    there. A takeover's fenced publish moves the name aside for an instant
+    (docs/STATES.md, Takeover and fencing), so a poll may find it missing."""
+    try:
+        return read_manifest(path)
+    except FileNotFoundError:
+        return None
+
+
+def durable_now(path: Path, holders: list[str] | None = None) -> bool:
+    """Whether ``path`` holds a durable manifest now (named ``holders``, if given)."""
+    m = manifest_now(path)
+    return m is not None and m.state == "durable" and (holders is None or m.holders == holders)

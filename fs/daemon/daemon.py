@@ -287,6 +287,9 @@ class Daemon:
                 [*core.fs.files_under(""), *core.taken_over("")], flush["progress_throughput"]
             ),
             "peers": self.peer.stats() if self.peer else [],
+            # This daemon process as its peers know it: each peer's entry
+            # above names the one it last heard from.
+            "incarnation": self.peer.membership.incarnation if self.peer else None,
             "peer_reads": self.peer.counters() if self.peer else {},
             "mirroring": view.mirroring(mirroring, core.cache.mirrors.values(), own_paths),
             "representative": self.represent.counters() if self.represent else {},

@@ -21,14 +21,13 @@ from faults.netns import remove_stale
 from faults.oracle import ABSENT, EMPTY, Observed, Oracle, digest
 from faults.trials import KINDS, Trials, parse_args, plan_trial
 
-# CI's run: a fixed seed, three nodes, 40 trials. The kinds are those that
-# meet none of the known bugs (docs/FAULT-TRIALS.md, Known bugs); the run by
-# hand draws from all of them, in 1000 trials. 40 trials (not 50) keep the
-# suite within its time on CI's two cores, and are the first 40 of the
-# 50-trial run CI made before; they still draw every kind
+# CI's run: a fixed seed, three nodes, 50 trials (the target: at
+# least 50 in at most 5 minutes; about 4 on CI's two cores). The kinds are
+# those CI can inject; --avoid-known-bugs leaves out the reads that meet
+# the open bugs (docs/FAULT-TRIALS.md, Known bugs). They draw every kind
 # (test_the_ci_run_meets_every_fault_kind).
 CI_SEED = 20261203
-CI_TRIALS = 40
+CI_TRIALS = 50
 CI_KINDS = [
     "none",
     "kill_keep",
@@ -42,7 +41,7 @@ CI_KINDS = [
     "store_eio",
     "takeover_restart",
 ]
-CI_BUDGET_S = 240.0
+CI_BUDGET_S = 300.0
 
 
 class Clock:

@@ -302,17 +302,33 @@ class Cluster:
         """``ckptfs check`` of ``rel`` (a path in the mount), run on ``name``."""
         return self.cli(name, "check", str(self.nodes[name].mnt / rel))
 
-    def peers_alive(self, name: str) -> bool:
+    def peers_alive(self, name: str, incarnations: dict[str, str] | None = None) -> bool:
+        """Whether ``name`` sees every other node alive (and, given their
+        ``incarnations``, as those very processes)."""
         reply = self.ask(name, {"op": "stat", "path": ""}, timeout=10)
         peers = reply.get("peers") if reply.get("ok") else None
-        return bool(peers) and all(p.get("alive") for p in peers)
+        return bool(peers) and all(
+            p.get("alive")
+            and (incarnations is None or p.get("incarnation") == incarnations.get(p.get("name")))
+            for p in peers
+        )
+
+    def incarnation(self, name: str) -> str | None:
+        reply = self.ask(name, {"op": "stat", "path": ""}, timeout=10)
+        return reply.get("incarnation") if reply.get("ok") else None
 
     def wait_alive(self, timeout: float) -> None:
-        """Until every node sees every other alive."""
+        """Until every node sees every other alive, as the process running
+        now: a node restarted before the others noticed its death is seen
+        alive at once, but its takeover starts only once they see its new
+        process (peer/node.py)."""
         deadline = time.monotonic() + timeout
         waiting = list(self.names)
         while waiting and time.monotonic() < deadline:
-            waiting = [n for n in waiting if not self.peers_alive(n)]
+            now = {n: self.incarnation(n) for n in self.names}
+            known = {n: i for n, i in now.items() if i is not None}
+            complete = len(known) == len(now)
+            waiting = [n for n in waiting if not (complete and self.peers_alive(n, known))]
             if waiting:
                 time.sleep(0.1)
         if waiting:

@@ -302,20 +302,9 @@ class Cluster:
         """``ckptfs check`` of ``rel`` (a path in the mount), run on ``name``."""
         return self.cli(name, "check", str(self.nodes[name].mnt / rel))
 
-    def peers_alive(self, name: str, incarnations: dict[str, str] | None = None) -> bool:
-        """Whether ``name`` sees every other node alive (and, given their
-        ``incarnations``, as those very processes)."""
+    def _stat(self, name: str) -> dict[str, Any]:
         reply = self.ask(name, {"op": "stat", "path": ""}, timeout=10)
-        peers = reply.get("peers") if reply.get("ok") else None
-        return bool(peers) and all(
-            p.get("alive")
-            and (incarnations is None or p.get("incarnation") == incarnations.get(p.get("name")))
-            for p in peers
-        )
-
-    def incarnation(self, name: str) -> str | None:
-        reply = self.ask(name, {"op": "stat", "path": ""}, timeout=10)
-        return reply.get("incarnation") if reply.get("ok") else None
+        return reply if reply.get("ok") else {}
 
     def wait_alive(self, timeout: float) -> None:
         """Until every node sees every other alive, as the process running
@@ -325,10 +314,17 @@ class Cluster:
         deadline = time.monotonic() + timeout
         waiting = list(self.names)
         while waiting and time.monotonic() < deadline:
-            now = {n: self.incarnation(n) for n in self.names}
-            known = {n: i for n, i in now.items() if i is not None}
-            complete = len(known) == len(now)
-            waiting = [n for n in waiting if not (complete and self.peers_alive(n, known))]
+            stats = {n: self._stat(n) for n in self.names}  # one look at each node a round
+            now = {n: st.get("incarnation") for n, st in stats.items()}
+            waiting = [
+                n
+                for n in waiting
+                if not stats[n].get("peers")
+                or not all(
+                    p.get("alive") and p.get("incarnation") == now.get(p.get("name"))
+                    for p in stats[n]["peers"]
+                )
+            ]
             if waiting:
                 time.sleep(0.1)
         if waiting:

@@ -273,10 +273,12 @@ class Cache(Lifecycle, Mirroring, Memory, Reading, Writing):
                 list(m.holders),
             )
             self._notify(f)
-        if f is not None and (f.modified or (f.version == m.version and not f.unlinked)):
+        if f is not None and (
+            f.modified or (f.version == m.version and not f.unlinked) or f.supersedes(m)
+        ):
             f.path = path
             f.seq = max(f.seq, m.seq)  # (our next version goes after any we saw)
-            if not f.modified:
+            if not f.modified and f.version == m.version:
                 f.mode, f.uid, f.gid = m.mode & 0o7777, uid, gid
                 f.mtime_ns, f.atime_ns = m.mtime_ns, m.atime
             return f

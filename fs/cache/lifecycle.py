@@ -165,15 +165,18 @@ class Lifecycle:
         self._notify(f)
         return False
 
-    def publish_failed(self, snap: Snapshot, name_gone: bool) -> None:
+    def publish_failed(self, snap: Snapshot, dropped: str = "") -> None:
+        """The pending manifest of ``snap`` was not published. ``dropped``
+        says why its content goes (the name went, a newer version is
+        there); empty, the file stays MODIFIED for a commit to try again."""
         f = snap.file
         f.publishing = None
         # Never published, so recovery would reject it: no need to wait.
         self.journal.drop_later((f.file_id, snap.version))
         if f.state is FileState.PUBLISHING:
             move(f, FileState.MODIFIED)
-        if name_gone:
-            log.info("%s no longer names the file being written; dropping its content", f.path)
+        if dropped:
+            log.info("%s: %s; dropping the content being written", f.path, dropped)
             self._retire(f)
         else:
             self._notify(f)

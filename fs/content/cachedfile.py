@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 from ckptfs.fs.content.readpattern import ReadPattern
 from ckptfs.fs.content.state import FileRole, FileState, MirrorState, PageState, stat_state
-from ckptfs.fs.store.manifest import Chunk, new_id
+from ckptfs.fs.store.manifest import Chunk, Manifest, new_id
 
 if TYPE_CHECKING:
     from ckptfs.fs.store.entries import PlainFile
@@ -223,6 +223,25 @@ class CachedFile:
     def owes_flush(self) -> bool:
         """This node must still make it durable."""
         return self.state is FileState.PENDING and self.role in (FileRole.LOCAL, FileRole.TAKEOVER)
+
+    def supersedes(self, m: Manifest) -> bool:
+        """Whether this node's version of the file, still to be made durable,
+        is newer (Manifest.order) than ``m``, another node's, at its name.
+
+        That happens when the other node rewrote the file in place too and
+        its publish, checked before ours landed, landed after (a check and a
+        rename are not atomic across nodes). Ours stays the file here, for
+        reads and attributes alike: its flush puts it back over the older
+        one (publish._ours_or_older), and that node's flush, finding ours,
+        drops its own. Had ours been dropped instead, the name could be left
+        to a version whose writer had dropped it (bug 9 of
+        docs/FAULT-TRIALS.md)."""
+        return (
+            self.role is FileRole.LOCAL
+            and self.state is FileState.PENDING
+            and self.file_id == m.file_id
+            and (self.seq, self.version) > m.order
+        )
 
     def page_range(self, start: int, end: int) -> range:
         return range(start // self.page_size, -(-end // self.page_size))

@@ -111,13 +111,18 @@ class CommitMixin:
                         before=save_record,
                     )
         except BaseException:
-            self.cache.publish_failed(snap, name_gone=False)
+            self.cache.publish_failed(snap)
             if f.state is FileState.MODIFIED and not f.writers:
                 self._retry.add(f)  # nobody else will commit it
                 self._retry_wanted.set()
             raise
         if result is not Published.DONE:
-            self.cache.publish_failed(snap, name_gone=True)
+            self.cache.publish_failed(
+                snap,
+                "a newer version from another node is at its name"
+                if result is Published.STALE
+                else "the name no longer names this file",
+            )
             return
         self._retry.discard(f)
         if self.cache.published(snap):

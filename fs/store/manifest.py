@@ -125,6 +125,13 @@ class Manifest:
     # store, whether its seal verified (see seal_of). Not part of the format.
     sealed: bool = field(default=True, compare=False)
 
+    @property
+    def order(self) -> tuple[int, str]:
+        """Where this version stands among the file's versions: by seq, the
+        version id breaking a tie, so that every node ranks two versions of
+        one file the same way."""
+        return (self.seq, self.version)
+
     def to_bytes(self, key: bytes | None = None, owner: tuple[int, int] | None = None) -> bytes:
         """The manifest file's bytes; with ``key``, sealed for a manifest
         file owned by ``owner`` (uid, gid)."""

@@ -79,12 +79,21 @@ def replace_manifest(
 ) -> Published:
     """Replace the manifest at ``rel`` if it still belongs to ``file_id`` (and,
     with ``expect_version``, is still that version), or, with ``plain``, if
-    that plain file is still there; ``before`` runs first."""
+    that plain file is still there; ``before`` runs first, once.
+
+    A new version (no ``expect_version``) never lands over a newer version
+    of the same file (Manifest.order): another node rewrote it in place and
+    closed after this one began its commit. STALE says so, and this version
+    is superseded, as if the other close had come later."""
+    before = _once(before)
     if expect_version is not None:
-        appended = _append_to_current(
-            call, root, rel, manifest, owner, file_id, expect_version, before, key
-        )
-        if appended is not None:
+        for _ in range(APPEND_TRIES):
+            appended = _append_to_current(
+                call, root, rel, manifest, owner, file_id, expect_version, before, key
+            )
+            if appended is not _Appended.REPLACED:
+                break
+        if isinstance(appended, Published):
             return appended
     try:
         try:
@@ -107,8 +116,10 @@ def replace_manifest(
         return Published.NAME_GONE  # a plain file was put at the path (another one)
     if current is not None and current.file_id != file_id:
         return Published.NAME_GONE
+    if expect_version is None and current is not None and current.order > manifest.order:
+        return Published.STALE
     if expect_version is not None and (
-        current is None or not _ours_or_older(current, expect_version, manifest.seq)
+        current is None or not _ours_or_older(current, expect_version, manifest.order)
     ):
         return Published.STALE
     if before is not None:
@@ -125,6 +136,15 @@ def replace_manifest(
     return Published.DONE
 
 
+# Appends tried in a row while the manifest file is replaced under each
+# (each replace is another node's publish: more in a row are unlikely).
+APPEND_TRIES = 3
+
+
+class _Appended(Enum):
+    REPLACED = "replaced"  # the file appended to no longer has a name
+
+
 def _append_to_current(
     call: Call[Published],
     root: int,
@@ -135,11 +155,12 @@ def _append_to_current(
     expect_version: str,
     before: Callable[[], None] | None,
     key: bytes | None,
-) -> Published | None:
+) -> Published | _Appended | None:
     """A flush's manifest appended as a record to the manifest file at
     ``rel``, if that file holds exactly ``expect_version`` of ``file_id``;
     None if it does not (or cannot be opened), or if the file's owner or
-    mode changed since, for the check-then-rename path to decide.
+    mode changed since, for the check-then-rename path to decide; REPLACED
+    if the file appended to lost its name meanwhile.
 
     Why an append: the flush happens after the close returned, so it must
     never change which file the name shows. A check of the name followed by
@@ -148,7 +169,12 @@ def _append_to_current(
     two) would be undone, its newer file replaced by this older one. The
     check and the append here go through one descriptor, so they are of one
     file: renamed meanwhile, the record goes with it; replaced or removed,
-    it lands on a file no name shows, which this reports (NAME_GONE)."""
+    it lands on a file no name shows. Then what the name shows now decides:
+    it may be this very version again (its metadata rewritten, a buddy's
+    takeover), an older one that landed over it, a newer one, or another
+    file. Calling it gone at once would drop a version that still owes its
+    flush (bug 9 of docs/FAULT-TRIALS.md): REPLACED says so, and the
+    caller tries again (APPEND_TRIES) before it looks at the name."""
     flags = os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         with parent_dir(root, rel) as (dfd, name):
@@ -183,20 +209,36 @@ def _append_to_current(
         write_all(fd, manifest.record(key, (st.st_uid, st.st_gid)))
         os.fsync(fd)
         if os.fstat(fd).st_nlink == 0:
-            return Published.NAME_GONE  # replaced or removed since it was opened
+            return _Appended.REPLACED  # replaced or removed since it was opened
         return Published.DONE
     except OSError as exc:
         if exc.errno == errno.ESTALE:  # NFS: removed by another client meanwhile
-            return Published.NAME_GONE
+            return _Appended.REPLACED
         raise
     finally:
         os.close(fd)
 
 
-def _ours_or_older(current: Manifest, version: str, seq: int) -> bool:
-    """Whether a rewrite of ``version`` (of order ``seq``: made durable, new
-    metadata) may replace ``current``, the same file's manifest at its name:
-    ``current`` is that version, or an older one (by seq) that landed over it.
+def _once(hook: Callable[[], None] | None) -> Callable[[], None] | None:
+    """``hook``, run by its first call only (a publish may check twice)."""
+    if hook is None:
+        return None
+    done = False
+
+    def run() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            hook()
+
+    return run
+
+
+def _ours_or_older(current: Manifest, version: str, order: tuple[int, str]) -> bool:
+    """Whether a rewrite of ``version`` (at ``order``, Manifest.order: made
+    durable, new metadata) may replace ``current``, the same file's manifest
+    at its name: ``current`` is that version, or an older one that landed
+    over it.
 
     Why the second: a node's check of the version and its rename are one
     store call but not atomic across nodes. Node A's durable V, checked
@@ -207,7 +249,7 @@ def _ours_or_older(current: Manifest, version: str, seq: int) -> bool:
     newer one (another close after ours) stays."""
     if current.version == version:
         return True
-    return 0 < current.seq < seq
+    return 0 < current.seq and current.order < order
 
 
 def _manifest_and_stat(

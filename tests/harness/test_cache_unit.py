@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import trio
-from caches import make_cache
+from caches import make_cache, read_all
 from ckptfs.fs import interrupts
 from ckptfs.fs.cache import cache as cache_mod
 from ckptfs.fs.cache.writing import MAX_FILE_SIZE
@@ -213,5 +213,29 @@ def test_a_truncate_that_waited_for_a_record_while_a_commit_began_leaves_the_fil
         snap = cache.begin_publish(f, "v3")
         assert snap.size == 10 and cache.published(snap) and f.state is FileState.PENDING
         assert await cache.read(f, 0, 100) == data[:10]
+
+    trio.run(main)
+
+
+def test_a_version_owed_its_flush_outlives_an_older_one_seen_at_its_name(tmp_path):
+    """Another node's rewrite of the same file, older than ours (Manifest.order),
+    landed over our pending version (a check and a rename are not atomic
+    across nodes), and a lookup here reads it. Ours stays, to be flushed
+    over it; a newer version seen there retires ours."""
+
+    async def main() -> None:
+        cache = make_cache(tmp_path)
+        f = cache.new_file("x", "v0", "m.pt", 0o644, 0, 0)
+        ours = random.randbytes(3000)
+        await cache.write(f, 0, ours)
+        snap = cache.begin_publish(f, "v2")
+        assert cache.published(snap) and f.state is FileState.PENDING
+        older = Manifest("x", "v3", 10, 0o600, 0, "pending", ["n3"], seq=snap.seq - 1)
+        assert cache.load(older, "m.pt", 0, 0) is f
+        assert (f.state, f.version, f.size, f.mode) == (FileState.PENDING, "v2", 3000, 0o644)
+        assert await read_all(cache, f) == ours
+        newer = Manifest("x", "v4", 10, 0o644, 0, "pending", ["n3"], seq=snap.seq + 1)
+        g = cache.load(newer, "m.pt", 0, 0)
+        assert g is not f and g.version == "v4" and f.unlinked
 
     trio.run(main)

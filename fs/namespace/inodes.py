@@ -106,10 +106,13 @@ class InodeTable:
         ino = self.by_name.get((parent, name))
         return self.by_ino[ino] if ino is not None else None
 
-    def bind(self, parent: int, name: str, kind: str, ident: tuple[str, object]) -> Inode:
-        """The inode for what is now at (parent, name); a new one if it changed."""
+    def bind(
+        self, parent: int, name: str, kind: str, ident: tuple[str, object], *, fresh: bool = False
+    ) -> Inode:
+        """The inode for what is now at (parent, name); a new one if it
+        changed, or if ``fresh`` (the old one keeps what it reads)."""
         existing = self.child(parent, name)
-        if existing is not None and existing.ident == ident and existing.kind == kind:
+        if existing is not None and existing.ident == ident and existing.kind == kind and not fresh:
             return existing
         if existing is not None:
             self._unlink(existing)  # the parent gets a name again at once: it stays

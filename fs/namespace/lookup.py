@@ -83,7 +83,9 @@ class LookupMixin:
         m = entry.manifest
         if m is None:
             return adopted(f, entry)
-        return m.file_id == f.file_id and (f.handles > 0 or f.modified or f.version == m.version)
+        return m.file_id == f.file_id and (
+            f.handles > 0 or f.modified or f.version == m.version or f.supersedes(m)
+        )
 
     async def _entry(self, path: str, parent: int | None = None) -> Entry:
         """The entry at ``path``; with ``parent`` (its directory's inode),
@@ -120,11 +122,36 @@ class LookupMixin:
             inode = self.inodes.bind(parent, name, "file", ("file", f.file_id))
             self.inodes.attach(inode, f)
             return inode
-        inode = self.inodes.bind(parent, name, entry.kind, entry.ident)
+        fresh = existing is not None and self._open_on_another_version(existing, entry)
+        inode = self.inodes.bind(parent, name, entry.kind, entry.ident, fresh=fresh)
         self._checked(inode, entry)
-        if entry.manifest is not None and inode.file is None:
-            self.inodes.attach(inode, self.cache.files.get(entry.manifest.file_id))
+        m = entry.manifest
+        if m is not None and inode.file is None:
+            f = self.cache.files.get(m.file_id)
+            if f is not None and (f.version == m.version or f.modified or f.supersedes(m)):
+                self.inodes.attach(inode, f)  # (another version is loaded by the open)
         return inode
+
+    @staticmethod
+    def _open_on_another_version(inode: Inode, entry: Entry) -> bool:
+        """Whether ``inode`` is open (or its last RELEASE is still on its
+        way) on a version of its file other than the one ``entry`` shows at
+        its name, a version another node wrote. Then the name's version needs
+        an inode of its own: the kernel keeps one size per inode, and one
+        inode with handles of two versions would read the bytes of one with
+        the size of the other (bug 1 of docs/FAULT-TRIALS.md). The old inode
+        goes on reading its version, as a file replaced under an open
+        descriptor does; a file changed here is one version, shared."""
+        f, m = inode.file, entry.manifest
+        return (
+            inode.kind == "file"
+            and inode.opens > 0
+            and f is not None
+            and m is not None
+            and f.file_id == m.file_id
+            and f.version != m.version
+            and not (f.writers or f.modified or f.supersedes(m))
+        )
 
     @staticmethod
     def _is_bound(inode: Inode | None) -> Callable[[Entry], bool] | None:

@@ -49,7 +49,7 @@ class OpenMixin:
         if inode.kind not in ("file", "plain"):
             raise FsError(errno.EISDIR if inode.kind == "dir" else errno.ELOOP)
         truncate = writable and bool(flags & os.O_TRUNC)
-        f = await self._file_for(inode, writable, truncate)
+        f = await self._file_for(inode, writable, truncate, caller)
         if writable and f.lost and not truncate:
             raise FsError(
                 errno.EIO, f"{f.path}: its bytes are lost; only O_TRUNC may rewrite it", True
@@ -192,8 +192,13 @@ class OpenMixin:
             return f  # the lookup just before this open read the manifest
         return None
 
-    async def _file_for(self, inode: Inode, writable: bool, truncate: bool = False) -> CachedFile:
-        """The cached file behind an inode, (re)loaded from its manifest if needed."""
+    async def _file_for(
+        self, inode: Inode, writable: bool, truncate: bool = False, caller: Caller | None = None
+    ) -> CachedFile:
+        """The cached file behind an inode, (re)loaded from its manifest if
+        needed. An open (by ``caller``) of an inode whose other handles read
+        an older version than the name's is sent back to the name, which a
+        lookup gives an inode of its own (_open_on_another_version)."""
         f = self._file_now(inode, writable)
         if f is not None:
             return f
@@ -218,6 +223,12 @@ class OpenMixin:
                 return entry
             if entry.manifest is None:
                 raise FsError(errno.EISDIR)
+            if caller is not None and self._open_on_another_version(inode, entry):
+                if self.stale_opens.may_send_back(caller.tid):
+                    inode.checked = None
+                    raise FsError(errno.ESTALE, "open on another version; the name has a newer one")
+                assert inode.file is not None
+                return inode.file  # the kernel's retry: the version its handles read
             path = self.inodes.path(inode.ino)
             loaded = self.cache.load(entry.manifest, path, entry.st.st_uid, entry.st.st_gid)
             self.inodes.attach(inode, loaded)

@@ -24,9 +24,24 @@ from __future__ import annotations
 import errno
 import os
 import random
+import time
 
+import pytest
 from ckptfs.fs.namespace.inodes import ROOT
-from lifecycle_harness import CALLER, SIZE, Harness, errno_of, name_reads, save
+from ckptfs.fs.store.manifest import Manifest, new_id, read_manifest, write_manifest
+from lifecycle_harness import (
+    CALLER,
+    SIZE,
+    Harness,
+    close,
+    errno_of,
+    inline,
+    name_reads,
+    read_handle,
+    read_inode,
+    save,
+    saved,
+)
 
 
 def test_an_inode_whose_file_went_while_it_had_its_name_never_reads_zeros(h: Harness):
@@ -57,3 +72,76 @@ def test_an_inode_whose_file_went_while_it_had_its_name_never_reads_zeros(h: Har
         finally:
             h.call(h.core.fs.release, fh)
     assert name_reads(h, "model.pt") == next_save
+
+
+def rewritten_elsewhere(h: Harness, name: str, like: str) -> None:
+    """Another node rewrites ``name`` in place (an O_TRUNC open keeps the
+    file's id) with the content of ``like``, and makes it durable."""
+    key = h.core.backing.key  # another node's daemon has it too (.ckptfs)
+    mine = read_manifest(h.backing / name, key=key)
+    other = read_manifest(h.backing / like, key=key)
+    assert mine is not None and other is not None
+    rewrite = Manifest(
+        mine.file_id, new_id(), other.size, mine.mode, time.time_ns(), "durable", ["n9"],
+        list(other.chunks), other.chunking, seq=mine.seq + 1,
+    )  # fmt: skip
+    st = os.stat(h.backing / name)
+    write_manifest(h.backing / f".{name}.n9", rewrite, owner=(st.st_uid, st.st_gid), key=key)
+    os.replace(h.backing / f".{name}.n9", h.backing / name)
+
+
+def open_then_rewritten_elsewhere(h: Harness, ours: bytes, theirs: bytes) -> tuple[int, int]:
+    """``model.pt`` saved here as ``ours`` and open for reading, then
+    rewritten on another node to ``theirs``: (its inode, the handle)."""
+    saved(h, "model.pt", ours)
+    saved(h, "other.pt", theirs)
+    ino = h.call(h.core.fs.lookup, ROOT, "model.pt").ino
+    fh, _ = h.call(h.core.fs.open, ino, os.O_RDONLY, CALLER)
+    rewritten_elsewhere(h, "model.pt", "other.pt")
+    return ino, fh
+
+
+def test_a_version_read_here_while_another_node_rewrites_it_keeps_its_size(h: Harness):
+    """Bug 1 of docs/FAULT-TRIALS.md: a reader here holds the file open (or
+    its RELEASE is on its way) while another node rewrites it in place to
+    another size. The name's new version gets an inode of its own: the
+    kernel keeps one size per inode, and one inode with handles of both
+    versions read one version's bytes up to the other's size."""
+    ours, theirs = random.randbytes(SIZE), random.randbytes(SIZE // 2 + 1234)
+    ino, fh = open_then_rewritten_elsewhere(h, ours, theirs)
+    fs = h.core.fs
+    attr = h.call(fs.lookup, ROOT, "model.pt")
+    assert attr.size == len(theirs), "a lookup gave the new version the open one's size"
+    assert read_inode(h, attr.ino) == theirs
+    # The open handle reads its version whole, and its inode keeps its size.
+    assert read_handle(h, fh) == ours
+    assert h.call(fs.getattr, ino).size == len(ours)
+    # A path walk that resolved the name before the rewrite opens the old
+    # inode: it gets its version, or is sent back to the name; never a mix.
+    try:
+        got = read_inode(h, ino)
+    except OSError as exc:
+        assert errno_of(exc) == errno.ESTALE, exc
+    else:
+        assert got == ours
+    close(h, fh)
+    assert name_reads(h, "model.pt") == theirs
+
+
+def test_an_open_of_an_inode_open_on_an_older_version_is_sent_to_the_name(h: Harness):
+    """The same, with no lookup between the rewrite and the next open (the
+    kernel's entry was still valid): the open of the inode whose handle
+    reads the old version is sent back (ESTALE), and the kernel's lookup
+    that follows gives the name's version an inode of its own."""
+    ours, theirs = random.randbytes(SIZE), random.randbytes(SIZE + 5000)
+    ino, fh = open_then_rewritten_elsewhere(h, ours, theirs)
+    fs = h.core.fs
+    inline(h, lambda: setattr(fs.inodes.get(ino), "checked", None))  # the check expired
+    with pytest.raises(OSError) as raised:
+        h.call(fs.open, ino, os.O_RDONLY, CALLER)
+    assert errno_of(raised.value) == errno.ESTALE
+    attr = h.call(fs.lookup, ROOT, "model.pt")
+    assert attr.ino != ino and attr.size == len(theirs)
+    assert read_inode(h, attr.ino) == theirs
+    assert read_handle(h, fh) == ours and h.call(fs.getattr, ino).size == len(ours)
+    close(h, fh)

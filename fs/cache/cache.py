@@ -293,8 +293,10 @@ class Cache(Lifecycle, Mirroring, Memory, Reading, Writing):
         if m.state == "durable":
             start(nf, FileState.DURABLE)
             nf.base = ChunkMap.of(m.chunks, m.size)
-        elif self._fetchable(m):
+        elif self._fetchable(m) or m.size == 0:
             # Pending elsewhere: its holders serve its bytes (peer reads).
+            # An empty one has none to lose (a writer that died between its
+            # create and its close): it reads empty, as `ckptfs check` says.
             nf.role = FileRole.REMOTE
             start(nf, FileState.PENDING)
         else:

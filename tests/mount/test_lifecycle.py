@@ -340,6 +340,19 @@ def test_check_reports_pending_files_and_fails_for_those_no_daemon_holds(mounts)
     assert "orphan.pt: pending" in proc.stdout and "holders gone-node" in proc.stdout
     assert "no running daemon" in proc.stdout
     (m.backing / "orphan.pt").unlink()
+    # Empty (a writer killed between its create and its close; it reads
+    # empty everywhere): nothing to lose, whether its holder runs or not.
+    for holders in ([m.stat()["node"]], ["gone-node"]):
+        write_store_manifest(
+            m.backing / "empty.pt",
+            Manifest("e" * 16, "v" * 16, 0, 0o644, 0, "pending", holders),
+        )
+        proc = m.cli("check", str(m.backing), check=False)
+        assert proc.returncode == 0, proc.stdout
+        assert "empty.pt: pending, 0 bytes" in proc.stdout, proc.stdout
+        assert "empty, nothing to lose" in proc.stdout, proc.stdout
+    assert (m.mnt / "empty.pt").read_bytes() == b""
+    (m.backing / "empty.pt").unlink()
     m.kill()  # held.bin's only holder is gone
     proc = m.cli("check", str(m.backing), check=False)
     assert proc.returncode == 1 and "held.bin" in proc.stdout, proc.stdout

@@ -106,6 +106,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         if holding:
             where = f"{serving[holding[0]]} (node {holding[0]})"
             print(f"{line}: held by the running daemon of {where}")
+        elif p.covered:
+            # An empty file (its writer died between its create and its
+            # close): every daemon reads it as empty, holder or not.
+            print(f"{line}: empty, nothing to lose")
         elif running and (now := _now_at(p)) is not None:
             # Saved again, made durable or removed since it was read: the
             # daemons were asked about a version that is gone.
@@ -126,8 +130,6 @@ def cmd_check(args: argparse.Namespace) -> int:
                     f"ckptfs: error: {line}: lost: {cause} (a daemon died before they were "
                     "durable, or its cache was removed); rewrite or remove it"
                 )
-        elif p.covered:
-            print(f"{line}: empty, nothing to lose")
         else:
             unrecoverable.append(p)
             print(

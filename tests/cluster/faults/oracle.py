@@ -92,9 +92,6 @@ class Oracle:
     contents: dict[str, bytes] = field(default_factory=dict)  # digest -> bytes, to explain
     failures: list[str] = field(default_factory=list)
     reads: int = 0
-    # Leave out reads of a file rewritten in place more than once (the
-    # trials' --avoid-known-bugs: docs/FAULT-TRIALS.md, Known bugs).
-    skip_rewritten: bool = False
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -180,8 +177,6 @@ class Oracle:
         """Whether a reader on ``node`` can judge ``path`` whole: not while this
         node writes it in place (its own writer's bytes show before the close)."""
         with self._lock:
-            if self.skip_rewritten and sum(o.kind == "write" for o in self.ops.get(path, [])) > 1:
-                return False
             return node not in self.inplace_nodes.get(path, set())
 
     def paths(self) -> list[str]:

@@ -54,7 +54,6 @@ KINDS: dict[str, int] = {
 }
 SETTLE_TIMEOUT = 60.0  # every node alive again, every flush --wait done
 STORE_STALL_MAX = 6.0
-KERNEL_ATTR_TIMEOUT = 1.1  # the mount's attribute timeout (fs/fuse/operations.py), and a margin
 
 
 @dataclass
@@ -243,7 +242,6 @@ class Trials:
     def __init__(self, args: argparse.Namespace, out: Callable[[str], None] | None = None) -> None:
         self.args = args
         self.out = out or (lambda line: print(line, flush=True))
-        self.workload_end = 0.0
         self.observed: dict[str, Observed] = {}
         self.names = [f"n{i + 1}" for i in range(args.nodes)]
         self.kinds = [k for k in (args.kinds or list(KINDS))]
@@ -296,7 +294,7 @@ class Trials:
     def trial(self, cluster: Cluster, k: int, plan: Plan) -> Result:
         t0 = time.monotonic()
         log = EventLog()
-        oracle = Oracle(skip_rewritten=self.args.avoid_known_bugs)
+        oracle = Oracle()
         top = f"t{k:05d}"
         cluster.mark_logs()
         log.add(f"trial {k} of seed {self.args.seed}: {plan.describe()}")
@@ -316,7 +314,6 @@ class Trials:
             for t in threads:
                 t.start()
             failures += self.join(threads, wl, injector, log)
-            self.workload_end = time.monotonic()
             if injector.error:
                 failures.append(injector.error)
             if not failures:
@@ -396,8 +393,6 @@ class Trials:
         """Every file under the trial's directory in the store, and its bytes
         as a node reads them (a different node for each, in turn)."""
         assert cluster.store is not None
-        if self.args.avoid_known_bugs:  # until every node's cached sizes expired
-            time.sleep(max(0.0, self.workload_end + KERNEL_ATTR_TIMEOUT - time.monotonic()))
         real = cluster.store.real
         seen: dict[str, Observed] = {}
         i = 0
@@ -437,17 +432,15 @@ class Trials:
         code, out = cluster.check(node, top)
         log.add(f"ckptfs check: exit {code}: {out.strip().splitlines()[-1] if out.strip() else ''}")
         # A pending file that no running daemon holds: check calls it lost.
-        # An empty one (a writer killed before its close: it reads empty)
-        # check calls lost if its holder runs, "nothing to lose" if not
-        # (docs/FAULT-TRIALS.md, Known bugs): either is accepted.
+        # An empty one (a writer killed between its create and its close)
+        # reads empty: nothing to lose, and check says so.
         lost = {r for r, o in self.observed.items() if o.state == "pending" and o.size}
         lost |= {r for r, o in self.observed.items() if o.state == "pending" and o.digest is None}
-        empty = {r for r, o in self.observed.items() if o.state == "pending" and r not in lost}
         flagged = [line for line in out.splitlines() if line.startswith("ckptfs: error:")]
         if code == -1:
             return [f"HANG: ckptfs check: {out}"]
-        named = {r for r in lost | empty if any(f"/{r}: " in line for line in flagged)}
-        stray = [line for line in flagged if not any(f"/{r}: " in line for r in lost | empty)]
+        named = {r for r in lost if any(f"/{r}: " in line for line in flagged)}
+        stray = [line for line in flagged if not any(f"/{r}: " in line for r in lost)]
         if lost - named or stray or (code == 0) != (not named):
             return [f"CHECK DISAGREES: lost {sorted(lost)}, ckptfs check exit {code}:\n{out}"]
         return []
@@ -525,11 +518,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workdir", help="default: a new directory under /var/tmp")
     parser.add_argument("--keep", action="store_true", help="keep the workdir (and the store)")
     parser.add_argument("--keep-going", action="store_true", help="go on after a failure")
-    parser.add_argument(
-        "--avoid-known-bugs",
-        action="store_true",
-        help="leave out what meets the known bugs of docs/FAULT-TRIALS.md (as CI does)",
-    )
     args = parser.parse_args(argv)
     if args.nodes < 3:
         parser.error("--nodes must be at least 3 (a writer, its buddy and a reader)")

@@ -290,13 +290,14 @@ class Cache(Lifecycle, Mirroring, Memory, Reading, Writing):
         nf.holders = list(m.holders)
         nf.seq = m.seq
         nf.chunking = m.chunking
-        if m.state == "durable":
+        if m.state == "durable" or (m.size == 0 and not self._fetchable(m)):
+            # An empty pending one that no peer serves (its writer died
+            # between its create and its close) has no bytes to lose: it is
+            # an empty file, as `ckptfs check` says, to read or write.
             start(nf, FileState.DURABLE)
             nf.base = ChunkMap.of(m.chunks, m.size)
-        elif self._fetchable(m) or m.size == 0:
+        elif self._fetchable(m):
             # Pending elsewhere: its holders serve its bytes (peer reads).
-            # An empty one has none to lose (a writer that died between its
-            # create and its close): it reads empty, as `ckptfs check` says.
             nf.role = FileRole.REMOTE
             start(nf, FileState.PENDING)
         else:

@@ -59,12 +59,15 @@ class CommitMixin:
         async with f.commit_lock:
             if only_closed and f.writers:
                 return
-            if f.state is FileState.MODIFIED:
-                await self._publish_content(f)
+            if f.state is FileState.MODIFIED and not await self._publish_content(f):
+                return  # superseded for now: nothing of it to wait for
         if self.config.durability == "backing" and f.state is not FileState.UNLINKED:
             await self.wait_durable(f)
 
-    async def _publish_content(self, f: CachedFile) -> None:
+    async def _publish_content(self, f: CachedFile) -> bool:
+        """Publish ``f``'s content; False if a newer version from another
+        node is at its name while ``f`` is still being written here (then
+        it stays MODIFIED, for its last close)."""
         snap = self.cache.begin_publish(f, new_id())
         journal = self.cache.journal
         record = record_of(snap)
@@ -116,6 +119,13 @@ class CommitMixin:
                 self._retry.add(f)  # nobody else will commit it
                 self._retry_wanted.set()
             raise
+        if result is Published.STALE and (f.writers or f.content_gen != snap.content_gen):
+            # A newer version from another node is at the name, but this
+            # file is still being written here (a FLUSH with other writers
+            # open, a child's close of an inherited descriptor): the last
+            # close commits it again, as a version newer still.
+            self.cache.publish_failed(snap)
+            return False
         if result is not Published.DONE:
             self.cache.publish_failed(
                 snap,
@@ -123,7 +133,7 @@ class CommitMixin:
                 if result is Published.STALE
                 else "the name no longer names this file",
             )
-            return
+            return True
         self._retry.discard(f)
         if self.cache.published(snap):
             if f.path != path:  # renamed while its record was being written
@@ -131,6 +141,7 @@ class CommitMixin:
             inode = self.inodes.get(f.ino) if f.ino else None
             if inode is not None:
                 inode.kernel_version = f.version
+        return True
 
     def _manifest(
         self,

@@ -141,7 +141,9 @@ class LookupMixin:
         inode with handles of two versions would read the bytes of one with
         the size of the other (bug 1 of docs/FAULT-TRIALS.md). The old inode
         goes on reading its version, as a file replaced under an open
-        descriptor does; a file changed here is one version, shared."""
+        descriptor does; a file changed here is one version, shared. An
+        older version than the inode's (a read that a newer load overtook)
+        changes nothing."""
         f, m = inode.file, entry.manifest
         return (
             inode.kind == "file"
@@ -149,8 +151,8 @@ class LookupMixin:
             and f is not None
             and m is not None
             and f.file_id == m.file_id
-            and f.version != m.version
-            and not (f.writers or f.modified or f.supersedes(m))
+            and m.order > (f.seq, f.version)
+            and not (f.writers or f.modified)
         )
 
     @staticmethod

@@ -147,8 +147,13 @@ class NamesMixin:
         and for the kernel's inode (see fs/namespace/inodes.py)."""
         inode = self.inodes.child(parent, name)
         f = inode.file if inode is not None else None
+        other = None  # a version of the file other than the name's: it goes too
         if f is None and entry.manifest is not None:
-            f = self.cache.files.get(entry.manifest.file_id)
+            m = entry.manifest
+            f = self.cache.files.get(m.file_id)
+            if f is not None and not (f.version == m.version or f.modified or f.supersedes(m)):
+                # Never the inode's: it holds the name's version's attributes.
+                other, f = f, None
             if (
                 f is None
                 and inode is not None
@@ -167,3 +172,5 @@ class NamesMixin:
         if f is not None and (entry.manifest is None or f.file_id == entry.manifest.file_id):
             self._retry.discard(f)
             self.cache.unlink(f)
+        if other is not None and not other.unlinked:
+            self.cache.unlink(other)

@@ -196,9 +196,10 @@ class OpenMixin:
         self, inode: Inode, writable: bool, truncate: bool = False, caller: Caller | None = None
     ) -> CachedFile:
         """The cached file behind an inode, (re)loaded from its manifest if
-        needed. An open (by ``caller``) of an inode whose other handles read
-        an older version than the name's is sent back to the name, which a
-        lookup gives an inode of its own (_open_on_another_version)."""
+        needed. An open or a setattr of an inode whose handles read an older
+        version than the name's is sent back to the name (ESTALE), which a
+        lookup gives an inode of its own (_open_on_another_version); not the
+        second open of a thread that has it open (``caller``)."""
         f = self._file_now(inode, writable)
         if f is not None:
             return f
@@ -218,17 +219,21 @@ class OpenMixin:
                 # bytes, so the new file must come with a new inode. ESTALE
                 # makes the kernel look the name up again and retry.
                 raise FsError(errno.ESTALE, "replaced since it was looked up")
+            if self._open_on_another_version(inode, entry):
+                assert inode.file is not None
+                if caller is not None and self._open_in_thread(inode, caller.tid):
+                    # torch.load(mmap=True)'s second open, while it reads
+                    # through its first: the same version, as for a rename.
+                    return inode.file
+                # The kernel looks the name up again, which gives the
+                # name's version an inode of its own, and retries there:
+                # never sent back here twice.
+                raise FsError(errno.ESTALE, "open on an older version; the name has a newer one")
             self._checked(inode, entry)
             if entry.kind == "plain":
                 return entry
             if entry.manifest is None:
                 raise FsError(errno.EISDIR)
-            if caller is not None and self._open_on_another_version(inode, entry):
-                if self.stale_opens.may_send_back(caller.tid):
-                    inode.checked = None
-                    raise FsError(errno.ESTALE, "open on another version; the name has a newer one")
-                assert inode.file is not None
-                return inode.file  # the kernel's retry: the version its handles read
             path = self.inodes.path(inode.ino)
             loaded = self.cache.load(entry.manifest, path, entry.st.st_uid, entry.st.st_gid)
             self.inodes.attach(inode, loaded)

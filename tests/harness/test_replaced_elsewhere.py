@@ -28,6 +28,7 @@ import time
 
 import pytest
 from ckptfs.fs.namespace.inodes import ROOT
+from ckptfs.fs.namespace.posix import Caller, SetAttr
 from ckptfs.fs.store.manifest import Manifest, new_id, read_manifest, write_manifest
 from lifecycle_harness import (
     CALLER,
@@ -117,13 +118,8 @@ def test_a_version_read_here_while_another_node_rewrites_it_keeps_its_size(h: Ha
     assert read_handle(h, fh) == ours
     assert h.call(fs.getattr, ino).size == len(ours)
     # A path walk that resolved the name before the rewrite opens the old
-    # inode: it gets its version, or is sent back to the name; never a mix.
-    try:
-        got = read_inode(h, ino)
-    except OSError as exc:
-        assert errno_of(exc) == errno.ESTALE, exc
-    else:
-        assert got == ours
+    # inode, which no longer has the name: it gets that inode's version.
+    assert read_inode(h, ino) == ours
     close(h, fh)
     assert name_reads(h, "model.pt") == theirs
 
@@ -145,3 +141,60 @@ def test_an_open_of_an_inode_open_on_an_older_version_is_sent_to_the_name(h: Har
     assert read_inode(h, attr.ino) == theirs
     assert read_handle(h, fh) == ours and h.call(fs.getattr, ino).size == len(ours)
     close(h, fh)
+
+
+def test_the_threads_own_second_open_and_a_setattr_of_the_old_inode(h: Harness):
+    """torch.load(mmap=True) opens twice from one thread, reading through
+    the first: its second open of the inode gets the version its first
+    reads, also after a rewrite elsewhere. A chmod by path through the old
+    inode is sent back to the name (the kernel retries it there), and
+    changes neither version's size here."""
+    ours, theirs = random.randbytes(SIZE), random.randbytes(SIZE + 5000)
+    loader = Caller(0, 0, tid=4242)
+    saved(h, "model.pt", ours)
+    saved(h, "other.pt", theirs)
+    fs = h.core.fs
+    ino = h.call(fs.lookup, ROOT, "model.pt").ino
+    fh, _ = h.call(fs.open, ino, os.O_RDONLY, loader)
+    rewritten_elsewhere(h, "model.pt", "other.pt")
+    inline(h, lambda: setattr(fs.inodes.get(ino), "checked", None))
+    fh2, _ = h.call(fs.open, ino, os.O_RDONLY, loader)
+    assert read_handle(h, fh2) == ours and read_handle(h, fh) == ours
+    with pytest.raises(OSError) as raised:
+        h.call(fs.setattr, ino, SetAttr(mode=0o600), CALLER)
+    assert errno_of(raised.value) == errno.ESTALE
+    assert h.call(fs.getattr, ino).size == len(ours)
+    close(h, fh, fh2)
+    attr = h.call(fs.lookup, ROOT, "model.pt")
+    assert attr.size == len(theirs) and read_inode(h, attr.ino) == theirs
+
+
+def test_a_flush_superseded_while_its_file_is_still_written_keeps_it_for_the_last_close(
+    h: Harness,
+):
+    """Another node's newer version of the file lands at its name before a
+    FLUSH here commits (a child closing an inherited descriptor, while the
+    parent goes on writing): that commit is refused (no publish over a newer
+    version), but the file is still being written here. It stays so, and its
+    last close publishes it as a version newer still, all its bytes."""
+    first, rest = random.randbytes(SIZE), random.randbytes(SIZE)
+    fs = h.core.fs
+    fh, _ = h.call(fs.create, ROOT, "model.pt", 0o644, os.O_WRONLY, CALLER)
+    h.call(fs.write, fh, 0, first)
+    key = h.core.backing.key
+    mine = read_manifest(h.backing / "model.pt", key=key)
+    assert mine is not None
+    ahead = time.time_ns() + 300_000_000  # that node's close, 0.3 s ahead of ours
+    newer = Manifest(mine.file_id, new_id(), 10, 0o644, ahead, "pending", ["n9"], seq=ahead)
+    st = os.stat(h.backing / "model.pt")
+    write_manifest(h.backing / ".model.pt.n9", newer, owner=(st.st_uid, st.st_gid), key=key)
+    os.replace(h.backing / ".model.pt.n9", h.backing / "model.pt")
+    h.call(fs.flush, fh)  # refused: the name holds a newer version
+    m = read_manifest(h.backing / "model.pt", key=key)
+    assert m is not None and m.version == newer.version
+    h.call(fs.write, fh, len(first), rest)  # the parent writes on
+    time.sleep(0.4)
+    close(h, fh)
+    m = read_manifest(h.backing / "model.pt", key=key)
+    assert m is not None and m.version != newer.version and m.size == 2 * SIZE
+    assert name_reads(h, "model.pt") == first + rest

@@ -19,6 +19,7 @@ worker restarts.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import subprocess
 import threading
 from collections.abc import Sequence
@@ -37,7 +38,10 @@ def start() -> None:
     with _lock:
         if _pool is None:
             context = multiprocessing.get_context("forkserver")
-            _pool = ProcessPoolExecutor(WORKERS, mp_context=context)
+            # Each worker in a process group of its own: a Ctrl-C at the
+            # terminal interrupts the trials, whose cleanup then needs the
+            # workers (to unmount, to remove namespaces) alive.
+            _pool = ProcessPoolExecutor(WORKERS, mp_context=context, initializer=os.setpgrp)
     run(["true"], timeout=30)
 
 

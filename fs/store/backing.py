@@ -299,13 +299,12 @@ class Backing:
                 try:
                     write_record(self.dirs, old, new, record_as)
                 except OSError as exc:
-                    log.error(
-                        "rename %s -> %s not recorded (%s): another node's pending file "
-                        "it moves is dropped by that node's flush",
-                        old,
-                        new,
-                        exc,
-                    )
+                    # Unrecorded, the rename would lose every other node's
+                    # pending file it moves: their flushes could not follow
+                    # it. It fails instead, and moves nothing.
+                    raise OSError(
+                        exc.errno, f"rename {old} -> {new}: its record was not written: {exc}"
+                    ) from exc
                 if call.abandoned():  # the record took longer than the store call may
                     raise OSError(errno.ETIMEDOUT, f"rename {old} -> {new}: given up on")
             os.rename(oname, nname, src_dir_fd=ofd, dst_dir_fd=nfd)

@@ -8,9 +8,11 @@ directory stand for the two nodes; the rename is made in the flush's
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import trio
 from ckptfs.fs.store.backing import Backing
 from ckptfs.fs.store.blocking import BackingIO
@@ -209,5 +211,32 @@ def test_a_flush_whose_manifest_file_is_replaced_after_its_check_looks_again(tmp
         assert await flush(replaced_by(at(pending("x1", "vz", "n2"), 60))) is Published.STALE
         m = read_manifest(root / "a.pt", key=n1.key)
         assert m is not None and (m.version, m.state) == ("vz", "pending")
+
+    trio.run(main)
+
+
+def test_a_rename_whose_record_cannot_be_written_fails_and_moves_nothing(tmp_path):
+    """A directory rename that moves other nodes' pending files is recorded
+    first, so that their flushes follow it. A record that cannot be written
+    (the store failing: fault trials, seed 2026, trial 124) fails the rename
+    rather than lose those files to a flush that cannot find them."""
+    root, n1, _ = stores(tmp_path)
+    renamed = root / ".ckptfs" / "renamed"
+
+    async def main() -> None:
+        (root / "iter_1.tmp").mkdir()
+        await n1.create_manifest("iter_1.tmp/shard_0.pt", pending("x1", "vx", "n2"), UID, GID)
+        await n1.rename("iter_1.tmp", "iter_0", record_as="n1")  # recorded: fine
+        os.rename(root / "iter_0", root / "iter_1.tmp")
+        records = sorted(os.listdir(renamed))
+        subprocess.run(["chattr", "+i", str(renamed)], check=True)
+        try:
+            with pytest.raises(OSError) as failed:
+                await n1.rename("iter_1.tmp", "iter_1", record_as="n1")
+        finally:
+            subprocess.run(["chattr", "-i", str(renamed)], check=True)
+        assert "record" in str(failed.value)
+        assert (root / "iter_1.tmp" / "shard_0.pt").exists() and not (root / "iter_1").exists()
+        assert sorted(os.listdir(renamed)) == records
 
     trio.run(main)

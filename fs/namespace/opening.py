@@ -49,7 +49,7 @@ class OpenMixin:
         if inode.kind not in ("file", "plain"):
             raise FsError(errno.EISDIR if inode.kind == "dir" else errno.ELOOP)
         truncate = writable and bool(flags & os.O_TRUNC)
-        f = await self._file_for(inode, writable, truncate, caller)
+        f = await self._file_for(inode, writable, truncate)
         if writable and f.lost and not truncate:
             raise FsError(
                 errno.EIO, f"{f.path}: its bytes are lost; only O_TRUNC may rewrite it", True
@@ -192,14 +192,11 @@ class OpenMixin:
             return f  # the lookup just before this open read the manifest
         return None
 
-    async def _file_for(
-        self, inode: Inode, writable: bool, truncate: bool = False, caller: Caller | None = None
-    ) -> CachedFile:
+    async def _file_for(self, inode: Inode, writable: bool, truncate: bool = False) -> CachedFile:
         """The cached file behind an inode, (re)loaded from its manifest if
         needed. An open or a setattr of an inode whose handles read an older
         version than the name's is sent back to the name (ESTALE), which a
-        lookup gives an inode of its own (_open_on_another_version); not the
-        second open of a thread that has it open (``caller``)."""
+        lookup gives an inode of its own (_open_on_another_version)."""
         f = self._file_now(inode, writable)
         if f is not None:
             return f
@@ -220,14 +217,10 @@ class OpenMixin:
                 # makes the kernel look the name up again and retry.
                 raise FsError(errno.ESTALE, "replaced since it was looked up")
             if self._open_on_another_version(inode, entry):
-                assert inode.file is not None
-                if caller is not None and self._open_in_thread(inode, caller.tid):
-                    # torch.load(mmap=True)'s second open, while it reads
-                    # through its first: the same version, as for a rename.
-                    return inode.file
                 # The kernel looks the name up again, which gives the
                 # name's version an inode of its own, and retries there:
-                # never sent back here twice.
+                # never sent back here twice. (Also the open of a thread
+                # that reads the old version: close-to-open, the new one.)
                 raise FsError(errno.ESTALE, "open on an older version; the name has a newer one")
             self._checked(inode, entry)
             if entry.kind == "plain":

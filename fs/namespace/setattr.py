@@ -53,7 +53,7 @@ class SetAttrMixin:
         return await self.getattr(ino)
 
     async def _setattr_file(self, inode: Inode, change: SetAttr, caller: Caller) -> Attr:
-        f = await self._file_for(inode, writable=change.size is not None, caller=caller)
+        f = await self._file_for(inode, writable=change.size is not None)
         if change.size is not None and change.size > MAX_FILE_SIZE:
             raise FsError(errno.EFBIG, f"{f.path}: size {change.size} beyond the maximum")
         if change.size is not None and change.size != f.size:

@@ -3,11 +3,13 @@ flusher that finds its file's name gone follows the records to it."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
 from pathlib import Path
 
+import pytest
 from ckptfs.fs.store import renamelog
 from ckptfs.fs.store.manifest import Manifest
 from ckptfs.fs.store.renamelog import RENAMED_DIR, RenameLog, needs_record, write_record
@@ -150,3 +152,21 @@ def test_concurrent_readers_each_see_every_record(tmp_path: Path):
         assert len(seen) == 60 and set(seen) == {1200}, sorted(set(seen))
     finally:
         root.close()
+
+
+def test_a_store_error_at_a_renamed_path_is_raised_not_taken_for_nothing_there(
+    tmp_path, monkeypatch
+):
+    """The store fails (EIO) while a flush follows a rename: the error
+    reaches the flush, which tries again, instead of "moved to nowhere",
+    which drops the file (fault trials, seed 77, trial 3)."""
+    dirs = StoreDirs(tmp_path)
+    write_record(dirs, "a.tmp", "a", "n1")
+
+    def failing(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(renamelog, "read_manifest", failing)
+    with pytest.raises(OSError) as raised:
+        RenameLog().follow(dirs, "a.tmp/shard.pt", "x1")
+    assert raised.value.errno == errno.EIO

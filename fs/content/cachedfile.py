@@ -224,6 +224,11 @@ class CachedFile:
         """This node must still make it durable."""
         return self.state is FileState.PENDING and self.role in (FileRole.LOCAL, FileRole.TAKEOVER)
 
+    def stands_for(self, m: Manifest) -> bool:
+        """Whether this is the file a name showing ``m`` reads here: that very
+        version, one being changed here, or a newer one of ours (supersedes)."""
+        return self.version == m.version or self.modified or self.supersedes(m)
+
     def supersedes(self, m: Manifest) -> bool:
         """Whether this node's version of the file, still to be made durable,
         is newer (Manifest.order) than ``m``, another node's, at its name.

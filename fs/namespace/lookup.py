@@ -128,7 +128,7 @@ class LookupMixin:
         m = entry.manifest
         if m is not None and inode.file is None:
             f = self.cache.files.get(m.file_id)
-            if f is not None and (f.version == m.version or f.modified or f.supersedes(m)):
+            if f is not None and f.stands_for(m):
                 self.inodes.attach(inode, f)  # (another version is loaded by the open)
         return inode
 

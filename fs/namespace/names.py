@@ -151,7 +151,7 @@ class NamesMixin:
         if f is None and entry.manifest is not None:
             m = entry.manifest
             f = self.cache.files.get(m.file_id)
-            if f is not None and not (f.version == m.version or f.modified or f.supersedes(m)):
+            if f is not None and not f.stands_for(m):
                 # Never the inode's: it holds the name's version's attributes.
                 other, f = f, None
             if (

@@ -169,15 +169,16 @@ class RenameLog:
                     return None
                 seen.add(moved)
                 frontier.append(moved)
+                # Only nothing there (or no manifest of ours) is skipped: any
+                # other error (EIO: the store failing) raises, for the caller
+                # to try again; taken for "not there", it would drop a file
+                # that a rename moved (fault trials, seed 77, trial 3).
                 try:
                     m = read_manifest(moved, dir_fd=dirs.root_fd, key=dirs.manifest_key())
                 except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
                     continue
                 except (ManifestError, ValueError):
                     continue
-                # Any other error (EIO: the store failing) raises: taken for
-                # "not there", it would drop a file that a rename moved
-                # (fault trials, seed 77, trial 3); the caller tries again.
                 if m is not None and m.sealed and m.file_id == file_id:
                     return moved
         return None

@@ -18,6 +18,8 @@ from ckptfs.fs.configerror import ConfigError
 from ckptfs.peer.config import PeersConfig, parse_peers
 
 DURABILITY_LEVELS = ("local", "buddy", "backing")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMATS = ("text", "json")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b|%)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -102,6 +104,8 @@ class Config:
     backing_timeout: float = 120.0
     run_dir: Path = Path("/run/ckptfs")
     log_file: Path | None = None
+    log_level: str = "INFO"
+    log_format: str = "text"  # or "json": one JSON object per line
     history_file: Path | None = None
     peers: dict[str, Any] = field(default_factory=dict)
     peers_config: PeersConfig | None = None  # the validated `peers`, set by load_config
@@ -156,6 +160,16 @@ def _seconds(value: Any, key: str) -> float:
     return result
 
 
+def _one_of(choices: tuple[str, ...], upper: bool = False) -> Any:
+    def parse(value: Any, key: str) -> str:
+        text = str(value).upper() if upper else str(value)
+        if text not in choices:
+            raise ConfigError(key, f"expected one of {', '.join(choices)}, got {value!r}")
+        return text
+
+    return parse
+
+
 def _peers(value: Any, key: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ConfigError(key, f"expected a mapping, got {value!r}")
@@ -205,6 +219,8 @@ SCHEMA: dict[str, tuple[str, Any]] = {
     "backing_timeout": ("backing_timeout", _timeout),
     "run_dir": ("run_dir", _path),
     "log": ("log_file", _path),
+    "log_level": ("log_level", _one_of(LOG_LEVELS, upper=True)),
+    "log_format": ("log_format", _one_of(LOG_FORMATS)),
     "history": ("history_file", _path),
     "peers": ("peers", _peers),
     "retention.keep_last": ("retention_keep_last", parse_int),
@@ -259,6 +275,12 @@ def load_config(
     for key in SCHEMA:
         if key != "peers" and env_name(key) in env:
             values[key] = env[env_name(key)]
+    if env_name("peers") in env:
+        # A mapping of nodes, addresses and secrets has no one-line form; an
+        # ignored variable would leave a node silently without its buddy.
+        raise ConfigError(
+            "peers", f"{env_name('peers')} is set, but peers can only be set in the config file"
+        )
     for key, value in (overrides or {}).items():
         if key not in SCHEMA:
             raise ConfigError(key, "unknown key")

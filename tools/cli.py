@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ckptfs import __version__
 from ckptfs.fs.config import ConfigError, load_config
 from ckptfs.fs.daemon.preflight import (
     MountError,
@@ -39,6 +40,7 @@ MOUNT_FLAGS = [
     ("--cache-dir", "cache_dir", "cache.dir", True),
     ("--durability", "durability", "durability", False),
     ("--node", "node", "node", False),
+    ("--log-level", "log_level", "log_level", False),
 ]
 
 
@@ -54,9 +56,15 @@ def cmd_mount(args: argparse.Namespace) -> int:
     sock, _, log_file = run_files(config.run_dir, mountpoint)
     config.log_file = config.log_file or log_file
     if args.foreground:
-        from ckptfs.fs.daemon.daemon import run_daemon, setup_logging
+        from ckptfs.fs.daemon.daemon import run_daemon
+        from ckptfs.fs.daemon.logs import setup_logging
 
-        setup_logging(config.log_file, foreground=not os.environ.get("CKPTFS_DAEMONIZED"))
+        setup_logging(
+            config.log_file,
+            foreground=not os.environ.get("CKPTFS_DAEMONIZED"),
+            level=config.log_level,
+            form=config.log_format,
+        )
         run_daemon(config, mountpoint)
         return 0
     return _spawn_daemon(args, mountpoint, config.run_dir, config.log_file)
@@ -278,18 +286,6 @@ CONFIG_HELP = (
 )
 
 
-def package_version() -> str:
-    """The installed distribution's version (pyproject.toml's, in a checkout).
-    Read only when asked: importlib.metadata costs imports every other
-    command does without."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("ckptfs")
-    except metadata.PackageNotFoundError:
-        return "unknown (not installed)"
-
-
 class VersionAction(argparse.Action):
     """``--version``: prints ``ckptfs <version>`` and exits."""
 
@@ -297,7 +293,7 @@ class VersionAction(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, help="print the version and exit")
 
     def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
-        print(f"ckptfs {package_version()}")
+        print(f"ckptfs {__version__}")
         parser.exit()
 
 
@@ -314,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", help="tmpfs directory for the cache (default /dev/shm/ckptfs)")
     p.add_argument("--durability", choices=["local", "buddy", "backing"])
     p.add_argument("--node", help="this node's name (default: hostname)")
+    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   type=str.upper, help="the daemon's log level (default INFO)")  # fmt: skip
     p.add_argument("--foreground", action="store_true", help="do not daemonize")
     p.set_defaults(func=cmd_mount)
 

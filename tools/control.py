@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from ckptfs import __version__
 from ckptfs.fs.config import load_config
 from ckptfs.fs.daemon.preflight import run_files
 
@@ -114,7 +116,28 @@ def _request_once(
         ) from None
     if not data:
         raise ControlError(f"the ckptfs daemon for {mountpoint} closed the connection")
-    return json.loads(data)
+    reply = json.loads(data)
+    _warn_if_other_version(mountpoint, reply)
+    return reply
+
+
+_warned: set[str] = set()
+
+
+def _warn_if_other_version(mountpoint: Path, reply: dict[str, Any]) -> None:
+    """Say once per mount when its daemon runs another version than this CLI:
+    after an upgrade, a mount keeps its old daemon until it is remounted, and
+    a request or reply field the two disagree on would otherwise just look
+    wrong. A reply without a version comes from a daemon older than 0.1.0."""
+    theirs = reply.get("version", "older than 0.1.0")
+    if theirs == __version__ or str(mountpoint) in _warned:
+        return
+    _warned.add(str(mountpoint))
+    print(
+        f"ckptfs: note: the daemon of {mountpoint} runs ckptfs {theirs}, this command is "
+        f"{__version__}; remount it (ckptfs umount, then mount) to run {__version__}",
+        file=sys.stderr,
+    )
 
 
 def exchange(sock_path: Path, payload: dict[str, Any], timeout: float | None) -> bytes:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from ckptfs import __version__
 
 log = logging.getLogger("ckptfs.control")
 MAX_REQUEST = 1 << 16
@@ -226,6 +227,9 @@ async def _session(
     async with stream:
         try:
             reply = await _answer(stream, peer, routes, owners, deadline)
+            # Every reply names the daemon's version, so that a CLI newer or
+            # older than the daemon it talks to can say so.
+            reply["version"] = __version__
             with trio.move_on_after(REPLY_TIMEOUT):
                 await stream.send_all(json.dumps(reply).encode() + b"\n")
         except (trio.BrokenResourceError, trio.ClosedResourceError):

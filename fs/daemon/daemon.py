@@ -21,7 +21,7 @@ from typing import Any
 
 import trio
 from ckptfs.fs.config import Config
-from ckptfs.fs.daemon import control
+from ckptfs.fs.daemon import control, sdnotify
 from ckptfs.fs.daemon.core import Core
 from ckptfs.fs.daemon.preflight import mount_id, run_files
 from ckptfs.fs.daemon.statview import StatView, Viewer, daemon_health, progress
@@ -34,6 +34,8 @@ from ckptfs.peer.node import PeerNode
 from ckptfs.peer.reads.represent import Representation
 
 GIL_SWITCH_INTERVAL = 0.0001
+# How long the mount may take to answer its first stat before the daemon says so.
+READY_TIMEOUT = 60.0
 
 log = logging.getLogger("ckptfs.daemon")
 
@@ -110,10 +112,12 @@ class Daemon:
                         self.config.durability,
                         f", {core.recovered} file(s) recovered" if core.recovered else "",
                     )
+                    nursery.start_soon(self._tell_systemd_when_mounted)
                     await self.session.run()
                     clean = core.all_durable()
                 finally:
                     self._no_more_pushes()
+                    sdnotify.notify("STOPPING=1")
                     try:
                         unmount(str(self.mountpoint))
                     finally:
@@ -221,6 +225,27 @@ class Daemon:
             "evict": control.Route(self._evict, privileged=True),
             "unmount": control.Route(self._unmount, privileged=True),
         }
+
+    async def _tell_systemd_when_mounted(self) -> None:
+        """READY=1 for a ``Type=notify`` unit once the mount answers: a stat
+        of the mountpoint goes through the kernel to this daemon's session,
+        so units ordered after this one find the filesystem, not the empty
+        directory under it."""
+
+        def stat_then_notify() -> None:
+            # Answered by this daemon (a stat of the mount's root), and on
+            # another device than the directory it is mounted in.
+            if os.stat(self.mountpoint).st_dev == os.stat(self.mountpoint.parent).st_dev:
+                raise OSError(f"{self.mountpoint} does not show the mount")
+            sdnotify.notify("READY=1", f"STATUS=mounted {self.mountpoint} over "
+                            f"{self.core.backing_root}", f"MAINPID={os.getpid()}")  # fmt: skip
+
+        try:
+            with trio.fail_after(READY_TIMEOUT):
+                await trio.to_thread.run_sync(stat_then_notify, abandon_on_cancel=True)
+        except (OSError, trio.TooSlowError) as exc:
+            # systemd times the start out (TimeoutStartSec) and says so.
+            log.error("the mount did not answer a stat of %s: %s", self.mountpoint, exc)
 
     async def _ping(self, req: dict[str, Any], peer: control.Peer) -> dict[str, Any]:
         return {
@@ -396,21 +421,6 @@ async def set_read_ahead(mountpoint: Path, kb: int) -> None:
         log.info("read-ahead of %s left at the kernel's default: %s", mountpoint, exc)
     except (OSError, StopIteration, ValueError) as exc:
         log.warning("could not set read-ahead of %s to %d KiB: %s", mountpoint, kb, exc)
-
-
-def setup_logging(log_file: Path | None, foreground: bool) -> None:
-    handlers: list[logging.Handler] = []
-    if log_file is not None:
-        log_file.parent.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(log_file))
-    if foreground or log_file is None:
-        handlers.append(logging.StreamHandler(sys.stderr))
-    logging.basicConfig(
-        level=os.environ.get("CKPTFS_LOG_LEVEL", "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        handlers=handlers,
-        force=True,
-    )
 
 
 def run_daemon(config: Config, mountpoint: Path) -> None:

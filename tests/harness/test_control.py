@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import trio
+from ckptfs import __version__
 from ckptfs.fs.daemon import control
 from hostile import flood
 
@@ -35,6 +36,9 @@ async def ok(*_: Any) -> dict[str, Any]:
 async def big(*_: Any) -> dict[str, Any]:
     return {"ok": True, "data": "x" * (2 << 20)}  # more than a socket buffer holds
 
+
+# Every reply of the daemon names its version (a CLI says when it differs).
+OK = {"ok": True, "version": __version__}
 
 ROUTES = {
     "ping": control.Route(ok, privileged=False),
@@ -164,14 +168,14 @@ def test_a_users_idle_connections_leave_root_owners_and_other_users_served() -> 
         time.sleep(0.5)  # the flood renews what the daemon closes
         for _ in range(5):
             reply, seconds = ask(path, timeout=5)
-            assert reply == {"ok": True} and seconds < 2.0, (reply, seconds)
+            assert reply == OK and seconds < 2.0, (reply, seconds)
             reply, seconds = ask(path, "flush", timeout=5)
-            assert reply == {"ok": True} and seconds < 2.0, (reply, seconds)
+            assert reply == OK and seconds < 2.0, (reply, seconds)
         # The mount's owner is an ordinary user, and so is a third user.
         reply, seconds = ask_as(path, OTHER, "flush")
-        assert reply == {"ok": True} and seconds < 2.0, (reply, seconds)
+        assert reply == OK and seconds < 2.0, (reply, seconds)
         reply, seconds = ask_as(path, 65532)
-        assert reply == {"ok": True} and seconds < 2.0, (reply, seconds)
+        assert reply == OK and seconds < 2.0, (reply, seconds)
         # The flooding user itself is told why, at once.
         reply, seconds = ask_as(path, USER)
         assert reply.get("busy") is True and seconds < 2.0, (reply, seconds)
@@ -194,7 +198,7 @@ def test_an_idle_connection_is_closed_at_a_deadline_counted_from_accept() -> Non
                 s.close()
         assert waited < control.REQUEST_TIMEOUT + 2, waited
         reply, seconds = ask(path, timeout=5)
-        assert reply == {"ok": True} and seconds < 2.0
+        assert reply == OK and seconds < 2.0
 
 
 def test_a_client_that_does_not_read_its_reply_gives_its_slot_back(
@@ -210,7 +214,7 @@ def test_a_client_that_does_not_read_its_reply_gives_its_slot_back(
                 readers.append(s)
             time.sleep(control.REPLY_TIMEOUT + 1.5)
             reply, seconds = ask(path, timeout=5)
-            assert reply == {"ok": True} and seconds < 2.0, (reply, seconds)
+            assert reply == OK and seconds < 2.0, (reply, seconds)
         finally:
             for s in readers:
                 s.close()
@@ -243,7 +247,7 @@ def test_accept_errors_are_logged_rate_limited_and_serving_goes_on(
     caplog.set_level(logging.INFO, logger="ckptfs.control")
     with serving() as path:
         reply, seconds = ask(path, timeout=10)  # waits in the backlog meanwhile
-        assert reply == {"ok": True}
+        assert reply == OK
         assert time.monotonic() >= failing_until
     logged = [r for r in caplog.records if os.strerror(code) in r.getMessage()]
     assert 1 <= len(logged) <= 2, [r.getMessage() for r in logged]
@@ -255,7 +259,7 @@ def test_a_request_that_arrives_in_pieces_within_the_deadline_is_answered() -> N
         for piece in (b'{"op"', b': "pi', b'ng"}\n'):
             s.sendall(piece)
             time.sleep(0.2)
-        assert json.loads(s.recv(1 << 16)) == {"ok": True}
+        assert json.loads(s.recv(1 << 16)) == OK
 
 
 def test_the_client_waits_for_room_in_a_full_connection_queue(tmp_path: Path) -> None:

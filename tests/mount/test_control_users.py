@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ckptfs import __version__
 from hostile import flood
 from mounts import Mount, is_mounted, process_gone
 from users import OTHER, USER, run_as
@@ -133,7 +134,11 @@ def test_holds_is_answered_to_root_alone_here(shared_mounts):
     reply = as_user(USER, ask, str(m.mnt), str(m.run_dir))
     assert reply.get("ok") is False and reply.get("denied") is True, reply
     assert "permission denied" in reply["error"], reply
-    assert as_user(0, ask, str(m.mnt), str(m.run_dir)) == {"ok": True, "held": [False]}
+    assert as_user(0, ask, str(m.mnt), str(m.run_dir)) == {
+        "ok": True,
+        "held": [False],
+        "version": __version__,
+    }
 
 
 def names_in(reply: Any) -> str:

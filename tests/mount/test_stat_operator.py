@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from children import next_line
+from ckptfs import __version__
 from ckptfs.fs.content.cachedfile import CachedFile
 from ckptfs.fs.content.state import FileRole, FileState, MirrorState
 from ckptfs.fs.daemon.statview import StatView, Viewer, progress
@@ -336,3 +337,22 @@ def test_the_stores_error_names_its_file_to_root_alone() -> None:
         "seconds_ago": 3,
     }
     assert StatView(Viewer(ALICE)).backing_error(None) is None
+
+
+def test_the_daemon_logs_json_at_the_level_asked_and_reports_its_version(mounts):
+    m = mounts()
+    m.mount("--log-level", "debug", env={"CKPTFS_LOG_FORMAT": "json"})
+    (m.mnt / "a.bin").write_bytes(os.urandom(10_000))
+    m.wait_durable()
+    assert json.loads(m.cli("stat", str(m.mnt), "--json").stdout)["version"] == __version__
+    m.cli("evict", str(m.mnt))  # an eviction is logged at DEBUG
+    (m.mnt / "a.bin").unlink()  # a deletion at INFO
+    lines = [json.loads(line) for line in m.log().splitlines() if line.startswith("{")]
+    levels = {line["level"] for line in lines}
+    assert "DEBUG" in levels and "INFO" in levels, levels
+    assert any(line["message"].startswith("evicted ") for line in lines), lines
+    assert any(line["level"] == "INFO" and line["message"].startswith("deleted ")
+               and "a.bin" in line["message"] for line in lines), lines  # fmt: skip
+    assert any(line["message"].startswith("durable: ") and "a.bin" in line["message"]
+               for line in lines), lines  # fmt: skip
+    assert all(line["time"].endswith("+00:00") for line in lines)

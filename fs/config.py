@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 from ckptfs.fs.configerror import ConfigError
-from ckptfs.peer.config import PeersConfig, parse_peers
+from ckptfs.peer.config import Address, PeersConfig, parse_address, parse_peers
 
 DURABILITY_LEVELS = ("local", "buddy", "backing")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -106,6 +106,7 @@ class Config:
     log_file: Path | None = None
     log_level: str = "INFO"
     log_format: str = "text"  # or "json": one JSON object per line
+    metrics_listen: Address | None = None  # Prometheus endpoint; None = off
     history_file: Path | None = None
     peers: dict[str, Any] = field(default_factory=dict)
     peers_config: PeersConfig | None = None  # the validated `peers`, set by load_config
@@ -221,6 +222,7 @@ SCHEMA: dict[str, tuple[str, Any]] = {
     "log": ("log_file", _path),
     "log_level": ("log_level", _one_of(LOG_LEVELS, upper=True)),
     "log_format": ("log_format", _one_of(LOG_FORMATS)),
+    "metrics.listen": ("metrics_listen", lambda v, k: parse_address(v, k) if v else None),
     "history": ("history_file", _path),
     "peers": ("peers", _peers),
     "retention.keep_last": ("retention_keep_last", parse_int),

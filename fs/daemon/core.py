@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 from ckptfs.fs.cache.cache import Cache
@@ -37,6 +37,9 @@ from ckptfs.fs.store.publish import Published
 from ckptfs.fs.store.retention import fd_audit, file_audit, retain_beneath
 from ckptfs.fs.store.storedirs import StoreDirs
 
+if TYPE_CHECKING:  # prometheus-client is imported only with metrics on
+    from ckptfs.fs.daemon.metrics import Timings
+
 log = logging.getLogger("ckptfs.core")
 
 
@@ -58,13 +61,17 @@ class Core:
         io: BackingIO | None = None,
         journal_runner: ThreadRunner | None = None,
         slot_size: int = SLOT_SIZE,
+        timings: Timings | None = None,
     ) -> None:
         assert config.backing is not None
         self.config = config
         self.backing_root = config.backing
         self.cache_root = cache_root
+        self.timings = timings
         self.io = io or BackingIO(
-            config.backing_timeout, max_threads=max(8, 2 * config.flush_workers)
+            config.backing_timeout,
+            max_threads=max(8, 2 * config.flush_workers),
+            on_call=timings.store_call.observe if timings else None,
         )
         # The backing root and .ckptfs, held open and checked (storedirs.py).
         self.dirs = StoreDirs(self.backing_root)
@@ -288,6 +295,10 @@ class Core:
         }
         self.history.add(record, f.uid)
         log.info("durable: %s (%d bytes, %.2fs after close)", f.path, f.size, now - closed)
+        if self.timings is not None:
+            self.timings.file_durable(
+                now - closed, f.mirrored_at - closed if f.mirrored_at and f.closed_at else None
+            )
         if f.role is not FileRole.TAKEOVER:  # retention is the writer's to apply
             await self._retention(f.path)
 

@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 from ckptfs.fs.config import Config
@@ -32,6 +32,9 @@ from ckptfs.fs.fuse.session import Session, notify_store
 from ckptfs.fs.fuse.session import describe as describe_session
 from ckptfs.peer.node import PeerNode
 from ckptfs.peer.reads.represent import Representation
+
+if TYPE_CHECKING:
+    from ckptfs.fs.daemon.metrics import Metrics
 
 GIL_SWITCH_INTERVAL = 0.0001
 # How long the mount may take to answer its first stat before the daemon says so.
@@ -48,7 +51,16 @@ class Daemon:
         # root daemon) may flush, evict and unmount it, as root may.
         self.owners = {os.stat(mountpoint).st_uid, os.geteuid()}
         self.sock_path, self.pid_path, _ = run_files(config.run_dir, mountpoint)
-        self.core = Core(config, config.cache_dir / mount_id(mountpoint))
+        self.metrics: Metrics | None = None
+        if config.metrics_listen is not None:
+            from ckptfs.fs.daemon.metrics import Metrics  # prometheus-client, only when asked
+
+            self.metrics = Metrics(config.metrics_listen)
+        self.core = Core(
+            config,
+            config.cache_dir / mount_id(mountpoint),
+            timings=self.metrics.timings if self.metrics else None,
+        )
         self.peer = (
             PeerNode(
                 config.peers_config,
@@ -90,6 +102,8 @@ class Daemon:
                         core.cache.on_page_changed = mirror.changed
                         core.cache.on_mirror_done = mirror.done
                 ops = Operations(core.fs, self.config.writeback_cache, self.config.direct_writes)
+                if self.metrics is not None:
+                    await self._start_metrics(self.metrics)
                 fd = self._mount()
                 mounted = True
                 try:
@@ -127,6 +141,8 @@ class Daemon:
                             os.close(fd)
                 nursery.cancel_scope.cancel()
         finally:
+            if self.metrics is not None:
+                self.metrics.close()
             core.close()
             self.pid_path.unlink(missing_ok=True)
             if clean:
@@ -225,6 +241,18 @@ class Daemon:
             "evict": control.Route(self._evict, privileged=True),
             "unmount": control.Route(self._unmount, privileged=True),
         }
+
+    async def _start_metrics(self, metrics: Metrics) -> None:
+        async def snapshot() -> dict[str, Any]:
+            # What `ckptfs stat --json` shows root: every file counted.
+            return await self._stat({}, control.Peer(pid=os.getpid(), uid=0, gid=0))
+
+        try:
+            await metrics.start(snapshot)
+        except OSError as exc:
+            raise MountFailed(
+                exc.errno, f"metrics.listen {metrics.listen}: {exc.strerror or exc}"
+            ) from None
 
     async def _tell_systemd_when_mounted(self) -> None:
         """READY=1 for a ``Type=notify`` unit once the mount answers: a stat

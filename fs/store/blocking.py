@@ -116,8 +116,15 @@ class Call(Generic[T]):
 
 
 class BackingIO:
-    def __init__(self, timeout: float, max_threads: int = 16) -> None:
+    def __init__(
+        self,
+        timeout: float,
+        max_threads: int = 16,
+        on_call: Callable[[float], None] | None = None,
+    ) -> None:
         self.timeout = timeout
+        # Told the seconds of each call that answered (the metrics' latency).
+        self.on_call = on_call
         self.limiter = trio.CapacityLimiter(max_threads)
         self.health = "normal"
         self.calls = 0
@@ -195,6 +202,8 @@ class BackingIO:
             raise
         elapsed = time.monotonic() - start
         self._last_ok = time.monotonic()
+        if self.on_call is not None:
+            self.on_call(elapsed)
         if self.health in ("full", "failing") and self._last_ok - self._trouble_at < TROUBLE_HOLD:
             return result  # a read that works says nothing of room to write
         if elapsed > min(5.0, self.timeout / 4):

@@ -9,7 +9,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from mounts import Mount, is_mounted
+from mounts import Mount, free_port, is_mounted
+from scrape import scrape, value
 from waits import wait_for
 
 MiB = 1 << 20
@@ -35,7 +36,8 @@ def test_a_full_store_is_said_and_a_forced_umount_keeps_its_bytes_for_the_next_m
     small_store: Mount,
 ) -> None:
     m = small_store
-    m.mount()
+    metrics = f"127.0.0.1:{free_port()}"
+    m.mount(env={"CKPTFS_METRICS_LISTEN": metrics})
     m.allowed_log = [
         "No space left on device",
         "health",
@@ -48,6 +50,11 @@ def test_a_full_store_is_said_and_a_forced_umount_keeps_its_bytes_for_the_next_m
     error = m.stat()["backing_error"]
     assert error["errno"] == "ENOSPC" and "big.pt" in error["error"], error
     assert "store full (ENOSPC: " in m.cli("stat", str(m.mnt)).stdout
+    said = scrape(metrics)  # what an alert rule sees
+    assert value(said, "ckptfs_store_health", state="full") == 1
+    assert value(said, "ckptfs_store_health", state="normal") == 0
+    assert value(said, "ckptfs_store_error", errno="ENOSPC") == 1
+    assert value(said, "ckptfs_flush_failures_total") >= 1
     start = time.monotonic()
     out = m.cli("umount", str(m.mnt), "--force", timeout=60).stdout
     assert time.monotonic() - start < 15, out

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from ckptfs.fs.daemon.preflight import (
 from ckptfs.tools.control import ControlError, daemon_pid, find_mount, request, run_dir
 from ckptfs.tools.offline import cli as offline_cli
 from ckptfs.tools.offline.cli import OfflineError
+from ckptfs.tools.progress import Progress, bars
 from ckptfs.tools.statfmt import format_stat
 
 MOUNT_TIMEOUT = 60.0
@@ -159,13 +162,21 @@ def cmd_umount(args: argparse.Namespace) -> int:
         raise CliError(f"{mountpoint} is not mounted")
     run = run_dir(args.config)
     pid = daemon_pid(mountpoint, run)
-    try:
-        reply = request(
+
+    def unmount() -> dict[str, Any]:
+        return request(
             mountpoint,
             {"op": "unmount", "timeout": args.timeout, "force": args.force},
             timeout=None,
             run=run,
         )
+
+    try:
+        if args.force:
+            reply = unmount()
+        else:
+            stat = _stat_of(run, mountpoint, "")
+            reply = Progress("unmounting", mountpoint, stat, whole_mount=True).run(unmount)
     except ControlError as exc:
         if not args.force:
             raise CliError(f"{exc}; use --force to detach the mount anyway") from None
@@ -238,9 +249,17 @@ def cmd_stat(args: argparse.Namespace) -> int:
             if args.watch:
                 print("\033[H\033[J", end="")
             print(format_stat(reply, verbose=args.verbose))
+            if args.watch:
+                width = shutil.get_terminal_size().columns
+                print("\n".join(bars(reply.get("files", []), width)))
         if not args.watch:
             return 0
         time.sleep(args.interval)
+
+
+def _stat_of(run: Path, mountpoint: Path, rel: str) -> Callable[[], dict[str, Any]]:
+    """The daemon's stat of ``rel``, bounded: what Progress polls."""
+    return lambda: request(mountpoint, {"op": "stat", "path": rel}, timeout=10, run=run)
 
 
 def _refusal(reply: dict[str, Any]) -> str:
@@ -254,12 +273,21 @@ def _refusal(reply: dict[str, Any]) -> str:
 
 def cmd_flush(args: argparse.Namespace) -> int:
     mountpoint, rel = _daemon_for(args.path)
-    reply = _ask(
-        run_dir(args.config),
-        mountpoint,
-        {"op": "flush", "path": rel, "wait": args.wait, "timeout": args.timeout},
-        timeout=None if args.wait else 30,
-    )
+    run = run_dir(args.config)
+
+    def flush() -> dict[str, Any]:
+        return _ask(
+            run,
+            mountpoint,
+            {"op": "flush", "path": rel, "wait": args.wait, "timeout": args.timeout},
+            timeout=None if args.wait else 30,
+        )
+
+    if args.wait:
+        stat = _stat_of(run, mountpoint, rel)
+        reply = Progress("flushing", mountpoint / rel, stat, whole_mount=not rel).run(flush)
+    else:
+        reply = flush()
     if not reply.get("ok"):
         raise CliError(_refusal(reply))
     what = "durable" if args.wait else "queued"

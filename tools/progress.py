@@ -1,0 +1,170 @@
+"""Progress of a wait for the store: ``ckptfs umount`` and ``flush --wait``.
+
+The wait is one control request that returns when everything is durable (or
+it gives up). While it runs in a thread, this polls the daemon's stat and
+shows the bytes left to store:
+- on a terminal, a tqdm bar (bytes stored of bytes to store, rate, ETA);
+- otherwise (a Slurm epilog, a systemd stop, a log), a line every
+  LOG_EVERY seconds, so that a long drain is visibly alive in the log;
+- in both cases one summary line at the end.
+
+tqdm rather than code of our own: it keeps the rate's smoothing, the units
+and the terminal width right. ``bars`` renders per-file bars for
+``stat --watch`` with the same library, without a live display.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TextIO
+
+from ckptfs.tools.control import ControlError
+from ckptfs.tools.statfmt import human
+from tqdm import tqdm
+
+# Binary units, as the rest of the CLI's sizes (statfmt.human): tqdm writes
+# its prefix before the unit, so the unit "iB" with 1024 makes "MiB".
+UNIT = 1024
+# tqdm's default, with the unit after the counts ("4.00/16.0MiB", not "16.0M").
+BAR = (
+    "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt}{unit} "
+    "[{elapsed}<{remaining}, {rate_fmt}]"
+)
+POLL = 0.5  # seconds between stat requests on a terminal
+LOG_EVERY = 5.0  # seconds between lines off a terminal
+NOT_DURABLE = ("dirty", "mirrored", "flushing")
+
+Stat = Callable[[], dict[str, Any]]
+
+
+def left_to_store(reply: dict[str, Any], whole_mount: bool) -> int:
+    """Bytes not yet in the store: the whole mount's (``progress``, which
+    counts every user's files), or those of the files the reply lists (the
+    asker's own, under the path asked about)."""
+    if whole_mount:
+        return int(reply["progress"]["to_store"])
+    return sum(
+        max(0, f["size"] - (f["flushed_bytes"] if f["state"] == "flushing" else 0))
+        for f in [*reply.get("files", []), *reply.get("taken_over", [])]
+        if f["state"] in NOT_DURABLE
+    )
+
+
+def size(n: float) -> str:
+    return human(n)
+
+
+class Progress:
+    """Shows the bytes left while ``wait`` (the blocking request) runs."""
+
+    def __init__(
+        self, what: str, where: Path, stat: Stat, whole_mount: bool, out: TextIO | None = None
+    ) -> None:
+        self.what = f"{what} {where}"  # the lines' and the summary's
+        self.short = what  # the bar's: a path would leave it no room
+        self.stat = stat
+        self.whole_mount = whole_mount
+        self.out = out or sys.stderr
+        self.terminal = self.out.isatty()
+
+    def run(self, wait: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        done = threading.Event()
+        result: dict[str, Any] = {}
+
+        def waiter() -> None:
+            try:
+                result["reply"] = wait()
+            except BaseException as exc:  # re-raised in the caller's thread
+                result["error"] = exc
+            finally:
+                done.set()
+
+        start = time.monotonic()
+        # The wait first: a daemon slow to answer a stat must not delay it.
+        threading.Thread(target=waiter, name="ckptfs-wait", daemon=True).start()
+        first = self._left()
+        if self.terminal:
+            self._bar(first, done)
+        else:
+            self._lines(first, done, start)
+        if "error" in result:
+            raise result["error"]
+        self._summary(first, time.monotonic() - start, result["reply"])
+        return result["reply"]
+
+    def _left(self) -> int | None:
+        """Bytes left now; None if the daemon did not say (it is going away)."""
+        try:
+            reply = self.stat()
+        except (ControlError, OSError, ValueError):  # the daemon went away: no display
+            return None
+        if not reply.get("ok"):
+            return None
+        return left_to_store(reply, self.whole_mount)
+
+    def _shape(self) -> tuple[int, int]:
+        """The terminal's columns and rows; 80x24 where it says 0 (a pty
+        nobody sized), at which tqdm would draw nothing at all."""
+        try:
+            size = os.get_terminal_size(self.out.fileno())
+        except (OSError, ValueError):
+            return 80, 24
+        return size.columns or 80, size.lines or 24
+
+    def _bar(self, first: int | None, done: threading.Event) -> None:
+        total = first or 0
+        with tqdm(total=total, unit="iB", unit_scale=True, unit_divisor=UNIT, file=self.out,
+                  desc=self.short, ncols=self._shape()[0], nrows=self._shape()[1],
+                  leave=False, bar_format=BAR) as bar:  # fmt: skip
+            while not done.wait(POLL):
+                left = self._left()
+                if left is None:
+                    continue
+                if left > bar.total - bar.n:  # new bytes to store arrived meanwhile
+                    bar.total = bar.n + left
+                bar.update(max(0, bar.total - left - bar.n))
+
+    def _lines(self, first: int | None, done: threading.Event, start: float) -> None:
+        while not done.wait(LOG_EVERY):
+            left = self._left()
+            if left is None:
+                continue
+            elapsed = time.monotonic() - start
+            stored = max(0, (first or 0) - left)
+            rate = stored / elapsed if elapsed > 0 else 0.0
+            eta = f", about {left / rate:.0f}s left" if rate > 0 and left else ""
+            print(f"{self.what}: {size(left)} left to store, {size(rate)}/s{eta}",
+                  file=self.out, flush=True)  # fmt: skip
+
+    def _summary(self, first: int | None, elapsed: float, reply: dict[str, Any]) -> None:
+        if not reply.get("ok") or first is None:
+            return
+        rate = f" ({size(first / elapsed)}/s)" if elapsed > 0 and first else ""
+        print(f"{self.what}: {size(first)} stored in {elapsed:.1f}s{rate}",
+              file=self.out, flush=True)  # fmt: skip
+
+
+def bars(files: Iterable[dict[str, Any]], width: int = 80) -> list[str]:
+    """For ``stat --watch``: a bar per file being flushed (bytes stored of
+    its size), and a line per file being mirrored (the buddy acknowledges a
+    file's pages as a whole, so there is no fraction to show)."""
+    lines = []
+    for f in files:
+        if f["state"] == "dirty" and f.get("mirror") == "streaming":
+            lines.append(f"mirroring {f['path']}: {size(f['size'])} to the buddy")
+            continue
+        if f["state"] != "flushing":
+            continue
+        done = min(f["flushed_bytes"], f["size"])
+        label = "flushing"
+        lines.append(tqdm.format_meter(done, max(f["size"], 1), 0, ncols=width,
+                                       prefix=f"{label} {f['path']}", unit="iB",
+                                       unit_scale=True, unit_divisor=UNIT,
+                                       bar_format="{desc}: {percentage:3.0f}%|{bar}| "
+                                       "{n_fmt}/{total_fmt}{unit}"))  # fmt: skip
+    return lines

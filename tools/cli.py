@@ -23,6 +23,7 @@ from ckptfs.fs.daemon.preflight import (
     is_mounted,
     run_files,
 )
+from ckptfs.tools import history
 from ckptfs.tools.control import ControlError, daemon_pid, find_mount, request, run_dir
 from ckptfs.tools.offline import cli as offline_cli
 from ckptfs.tools.offline.cli import OfflineError
@@ -295,6 +296,19 @@ def cmd_flush(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_history(args: argparse.Namespace) -> int:
+    mountpoint, rel = _daemon_for(args.path)
+    try:
+        payload = history.request_of(args, rel)
+    except history.WhenError as exc:
+        raise CliError(str(exc)) from None
+    reply = _ask(run_dir(args.config), mountpoint, payload, timeout=120)
+    if not reply.get("ok"):
+        raise CliError(reply.get("error", "history failed"))
+    print(history.show(reply, args.json))
+    return 0
+
+
 def cmd_evict(args: argparse.Namespace) -> int:
     mountpoint, rel = _daemon_for(args.path)
     reply = _ask(run_dir(args.config), mountpoint, {"op": "evict", "path": rel})
@@ -381,6 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", nargs="?")
     p.add_argument("--config", help=CONFIG_HELP)
     p.set_defaults(func=cmd_evict)
+
+    history.add_parser(sub, CONFIG_HELP).set_defaults(func=cmd_history)
 
     offline_cli.register(sub)
     return parser

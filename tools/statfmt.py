@@ -187,15 +187,16 @@ def lost_lines(s: dict[str, Any], verbose: bool) -> list[str]:
 
 
 def when(stamp: str, today: str) -> str:
-    """A history time (``2026-12-03T21:43:03``, local): the time alone if today."""
+    """A history time (UTC ISO-8601, ``2026-12-03T21:43:03+00:00``): the
+    time alone if ``today`` (a UTC date), else the day and the minute."""
     day, _, clock = stamp.partition("T")
-    return clock if day == today else f"{day} {clock[:5]}"
+    return clock[:8] if day == today else f"{day} {clock[:5]}"
 
 
 def recent_lines(s: dict[str, Any], verbose: bool) -> list[str]:
     history = s.get("history") or []
     shown = history if verbose else history[-RECENT:]
-    today = time.strftime("%Y-%m-%d")
+    today = time.strftime("%Y-%m-%d", time.gmtime())
     items = []
     for h in reversed(shown):  # the newest first
         line = f"{when(h['time'], today):<8}  {human(h['size']):>10}  {h['path']}"

@@ -31,7 +31,7 @@ from ckptfs.fs.store.backing import Backing
 from ckptfs.fs.store.beneath import make_private_path
 from ckptfs.fs.store.blocking import BackingIO
 from ckptfs.fs.store.chunkstore import ChunkStore
-from ckptfs.fs.store.history import History
+from ckptfs.fs.store.history import History, read_all, utc_time
 from ckptfs.fs.store.manifest import Manifest
 from ckptfs.fs.store.publish import Published
 from ckptfs.fs.store.retention import fd_audit, file_audit, retain_beneath
@@ -280,11 +280,29 @@ class Core:
             "pre-faulted %d MiB of cache in %.1fs", self.prefaulted >> 20, time.monotonic() - start
         )
 
+    async def history_lines(
+        self, uid: int, prefix: str, since: float | None, until: float | None, limit: int
+    ) -> list[dict[str, Any]]:
+        """Every node's history lines under ``prefix`` within [since, until]
+        (seconds since the epoch), the newest ``limit``, oldest first: all of
+        them for root, a user's own files' for anyone else."""
+        lines = await self.io.run(read_all, self.dirs, what="history")
+        shown = [
+            line
+            for line in lines
+            if (uid == 0 or line["uid"] == uid)
+            and in_subtree(line["path"], prefix)
+            and (since is None or line["time"].timestamp() >= since)
+            and (until is None or line["time"].timestamp() <= until)
+        ]
+        shown.sort(key=lambda line: line["time"])
+        return [{**line, "time": line["time"].isoformat()} for line in shown[-limit:]]
+
     async def _on_durable(self, f: CachedFile, manifest: Manifest) -> None:
         now = time.time()
         closed = f.closed_at or now
         record = {
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)),
+            "time": utc_time(now),
             "path": f.path,
             "size": f.size,
             "close_s": round(closed - f.opened_at, 3),
@@ -292,6 +310,7 @@ class Core:
             "mirrored_s": round(f.mirrored_at - f.opened_at, 3) if f.mirrored_at else "",
             "durable_s": round(now - closed, 3),
             "throughput_MBps": round(f.size / max(now - f.opened_at, 1e-6) / 1e6, 1),
+            "uid": f.uid,
         }
         self.history.add(record, f.uid)
         log.info("durable: %s (%d bytes, %.2fs after close)", f.path, f.size, now - closed)

@@ -233,6 +233,7 @@ class Daemon:
     def _routes(self) -> dict[str, control.Route]:
         return {
             "ping": control.Route(self._ping, privileged=False),
+            "history": control.Route(self._history, privileged=False),
             "stat": control.Route(self._stat, privileged=False),
             # Whether this node holds a version (`ckptfs check`): the mount's
             # owner needs it for a check of its own mount.
@@ -274,6 +275,20 @@ class Daemon:
         except (OSError, trio.TooSlowError) as exc:
             # systemd times the start out (TimeoutStartSec) and says so.
             log.error("the mount did not answer a stat of %s: %s", self.mountpoint, exc)
+
+    async def _history(self, req: dict[str, Any], peer: control.Peer) -> dict[str, Any]:
+        """``ckptfs history``: lines of every node (fs/store/history.py), a
+        user's own files' only, unless root asks."""
+        since, until, limit = req.get("since"), req.get("until"), req.get("limit", 1000)
+        for name, value in (("since", since), ("until", until)):
+            if value is not None and not isinstance(value, int | float):
+                raise ValueError(f"{name} must be seconds since the epoch")
+        if not isinstance(limit, int) or limit < 1:
+            raise ValueError("limit must be a positive integer")
+        lines = await self.core.history_lines(
+            peer.uid, str(req.get("path", "")), since, until, min(limit, 100_000)
+        )
+        return {"ok": True, "lines": lines}
 
     async def _ping(self, req: dict[str, Any], peer: control.Peer) -> dict[str, Any]:
         return {

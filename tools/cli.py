@@ -23,7 +23,7 @@ from ckptfs.fs.daemon.preflight import (
     is_mounted,
     run_files,
 )
-from ckptfs.tools import history
+from ckptfs.tools import history, mounthelper
 from ckptfs.tools.control import ControlError, daemon_pid, find_mount, request, run_dir
 from ckptfs.tools.offline import cli as offline_cli
 from ckptfs.tools.offline.cli import OfflineError
@@ -403,6 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and Path(sys.argv[0]).name in mounthelper.NAMES:
+        return mounthelper.run(sys.argv[1:], main)  # run by mount(8)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -12,8 +12,20 @@
 #   CKPTFS_SLURM_UMOUNT_TIMEOUT=3600           # seconds; umount flushes to the backing store
 #   export CKPTFS_CACHE_SIZE=40%               # any daemon setting, as CKPTFS_<KEY>
 #
+# A job on several nodes gets peers (mirroring to a buddy, takeover, peer reads)
+# with no configuration by its user, if the cluster secret exists:
+#   CKPTFS_SLURM_SECRET=/etc/ckptfs/cluster.secret  # root's, mode 0600, same on every node
+#   CKPTFS_SLURM_PORT_BASE=17000               # a job's peer port: base + job id % ports
+#   CKPTFS_SLURM_PORTS=1000
+#   CKPTFS_SLURM_LISTEN=0.0.0.0                # where the daemon listens (its port added)
+#   CKPTFS_SLURM_NODE_ADDRESS=%n               # how peers reach node %n (a name or address)
+#   CKPTFS_SLURM_SCONTROL=scontrol             # to list the job's nodes and its name
+#   CKPTFS_SLURM_RUN=/run/ckptfs/slurm         # per-job config and secret (root only)
+#   CKPTFS_SLURM_BY_NAME=1                     # also <root>/by-name/<user>/<job name>
+#
 # The backing dir defaults to one per user, not per job: a job restarted under a
-# new job id must find the checkpoints of the previous one.
+# new job id must find the checkpoints of the previous one, and the by-name
+# link gives it the same path as before.
 
 CKPTFS_SLURM_TAG=ckptfs-slurm
 
@@ -27,12 +39,22 @@ CKPTFS_SLURM_TAG=ckptfs-slurm
 : "${CKPTFS_SLURM_CONFIG:=/etc/ckptfs/ckptfs.yaml}"
 : "${CKPTFS_SLURM_MOUNT_TIMEOUT:=300}"
 : "${CKPTFS_SLURM_UMOUNT_TIMEOUT:=3600}"
+: "${CKPTFS_SLURM_SECRET:=/etc/ckptfs/cluster.secret}"
+: "${CKPTFS_SLURM_PORT_BASE:=17000}"
+: "${CKPTFS_SLURM_PORTS:=1000}"
+: "${CKPTFS_SLURM_LISTEN:=0.0.0.0}"
+: "${CKPTFS_SLURM_NODE_ADDRESS:=%n}"
+: "${CKPTFS_SLURM_SCONTROL:=scontrol}"
+: "${CKPTFS_SLURM_RUN:=/run/ckptfs/slurm}"
+: "${CKPTFS_SLURM_BY_NAME:=1}"
 
 log() { # log PRIORITY MESSAGE...
     local priority=$1
     shift
-    # -s: also on stderr, for runs by hand (slurmd discards it).
-    logger -s -t "$CKPTFS_SLURM_TAG" -p "daemon.$priority" -- "job ${SLURM_JOB_ID:-?}: $*"
+    # Also on stderr, for runs by hand (slurmd discards it), and where there is
+    # no syslog socket (a container), which logger fails on without a word.
+    logger -t "$CKPTFS_SLURM_TAG" -p "daemon.$priority" -- "job ${SLURM_JOB_ID:-?}: $*" 2>/dev/null
+    echo "$CKPTFS_SLURM_TAG: $priority: job ${SLURM_JOB_ID:-?}: $*" >&2
 }
 
 die() {
@@ -40,16 +62,19 @@ die() {
     exit 1
 }
 
-# Checks the Slurm environment and sets JOB_MNT, JOB_BACKING and JOB_CACHE.
+# Checks the Slurm environment and sets JOB_MNT, JOB_BACKING, JOB_CACHE, JOB_RUN
+# (the job's generated config and secret, if it has peers) and JOB_ROOT.
 job_setup() {
     # The job id ends up in an `rm -rf` path in the epilog: accept digits only.
     [[ ${SLURM_JOB_ID:-} =~ ^[0-9]+$ ]] || die "SLURM_JOB_ID '${SLURM_JOB_ID:-}' is not a job id"
     [ -n "${SLURMD_NODENAME:-}" ] || die "SLURMD_NODENAME is not set"
-    [ -n "${SLURM_JOB_USER:-}" ] || die "SLURM_JOB_USER is not set"
+    [[ ${SLURM_JOB_USER:-} =~ ^[A-Za-z0-9_][A-Za-z0-9_.-]*$ ]] ||
+        die "SLURM_JOB_USER '${SLURM_JOB_USER:-}' is not a user name"
     [ -x "$CKPTFS_SLURM_BIN" ] || die "ckptfs CLI $CKPTFS_SLURM_BIN is not executable"
     local root
     root=$(realpath -m -- "$CKPTFS_SLURM_ROOT") || die "bad CKPTFS_SLURM_ROOT '$CKPTFS_SLURM_ROOT'"
     [ "$root" != / ] || die "CKPTFS_SLURM_ROOT must not be /"
+    JOB_ROOT=$root
     JOB_MNT="$root/$SLURM_JOB_ID"
     JOB_BACKING=${CKPTFS_SLURM_BACKING//%u/$SLURM_JOB_USER}
     JOB_BACKING=${JOB_BACKING//%j/$SLURM_JOB_ID}
@@ -57,12 +82,37 @@ job_setup() {
     # One cache dir per job, so that the epilog can tell whether this job left
     # unflushed data behind and free exactly this job's RAM afterwards.
     JOB_CACHE="${CKPTFS_SLURM_CACHE_ROOT%/}/$SLURM_JOB_ID"
+    [ -n "${CKPTFS_SLURM_RUN%/}" ] || die "CKPTFS_SLURM_RUN must not be /"
+    JOB_RUN="${CKPTFS_SLURM_RUN%/}/$SLURM_JOB_ID"
+}
+
+scontrol_job() { # FIELD: one field of `scontrol show job -o` for this job
+    "$CKPTFS_SLURM_SCONTROL" show job -o "$SLURM_JOB_ID" 2>/dev/null |
+        tr ' ' '\n' | sed -n "s/^$1=//p" | head -n 1
+}
+
+job_nodes() { # the job's nodes, one per line, in Slurm's order (the same on every node)
+    local list=${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}}
+    [ -n "$list" ] || list=$(scontrol_job NodeList)
+    [ -n "$list" ] || return 1
+    "$CKPTFS_SLURM_SCONTROL" show hostnames "$list"
+}
+
+job_name_link() { # the by-name link of this job: <root>/by-name/<user>/<job name>
+    local name
+    name=$(scontrol_job JobName)
+    # A name that is not one path component is not used (no link, no error).
+    [[ $name =~ ^[A-Za-z0-9_.-]{1,128}$ && $name != . && $name != .. ]] || return 1
+    echo "$JOB_ROOT/by-name/$SLURM_JOB_USER/$name"
 }
 
 mount_args() { # the `ckptfs mount` command line for this job
     MOUNT_CMD=("$CKPTFS_SLURM_BIN" mount "$JOB_MNT" --backing "$JOB_BACKING"
         --cache-dir "$JOB_CACHE" --node "$SLURMD_NODENAME")
-    if [ -r "$CKPTFS_SLURM_CONFIG" ]; then
+    # A job with peers has its own config: the site's, and its peers section.
+    if [ -r "$JOB_RUN/config.yaml" ]; then
+        MOUNT_CMD+=(--config "$JOB_RUN/config.yaml")
+    elif [ -r "$CKPTFS_SLURM_CONFIG" ]; then
         MOUNT_CMD+=(--config "$CKPTFS_SLURM_CONFIG")
     fi
 }

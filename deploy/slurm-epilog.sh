@@ -21,7 +21,9 @@ cache_has_data() {
 job_umount() {
     local out status umount_cmd=("$CKPTFS_SLURM_BIN" umount "$JOB_MNT")
     # The config may set run_dir, where the daemon's control socket is.
-    if [ -r "$CKPTFS_SLURM_CONFIG" ]; then
+    if [ -r "$JOB_RUN/config.yaml" ]; then
+        umount_cmd+=(--config "$JOB_RUN/config.yaml")
+    elif [ -r "$CKPTFS_SLURM_CONFIG" ]; then
         umount_cmd+=(--config "$CKPTFS_SLURM_CONFIG")
     fi
     out=$(mktemp) || die "mktemp failed"
@@ -59,6 +61,11 @@ main() {
     fi
     # Only now is everything in the backing store; the RAM is the node's again.
     rm -rf -- "$JOB_CACHE" || die "cannot remove the cache dir $JOB_CACHE"
+    rm -rf -- "$JOB_RUN" || log warning "cannot remove $JOB_RUN"
+    local link
+    if link=$(job_name_link) && [ "$(readlink -- "$link" 2>/dev/null)" = "$JOB_MNT" ]; then
+        rm -f -- "$link"
+    fi
     if [ -d "$JOB_MNT" ] && ! rmdir -- "$JOB_MNT" 2>/dev/null; then
         log warning "$JOB_MNT is not empty after unmount (written while not mounted?); left in place"
     fi

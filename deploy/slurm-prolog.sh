@@ -1,5 +1,7 @@
 #!/bin/bash
-# Slurm Prolog: mount ckptfs for the job at /ckpt/$SLURM_JOB_ID on this node.
+# Slurm Prolog: mount ckptfs for the job at /ckpt/$SLURM_JOB_ID on this node,
+# with the job's other nodes as peers, and link /ckpt/by-name/<user>/<job name>
+# to it (the same path when the same run is submitted again).
 #
 # slurm.conf:
 #   Prolog=/etc/slurm/ckptfs/slurm-prolog.sh
@@ -28,6 +30,62 @@ prepare_dirs() {
         die "cannot chown mountpoint $JOB_MNT to $SLURM_JOB_USER"
 }
 
+# A job on several nodes: this node's config with the job's peers, and the
+# job's secret, derived from the cluster secret and the job id (HMAC-SHA256), so
+# that no secret is distributed per job and one job's cannot open another's.
+# Returns 1 (nodes mount alone) for a job of one node or without a cluster secret.
+job_peers() {
+    local nodes node port address
+    mapfile -t nodes < <(job_nodes) || true
+    [ "${#nodes[@]}" -ge 2 ] || return 1
+    if [ ! -r "$CKPTFS_SLURM_SECRET" ]; then
+        log warning "no cluster secret at $CKPTFS_SLURM_SECRET: the job's nodes mount alone"
+        return 1
+    fi
+    if [ -r "$CKPTFS_SLURM_CONFIG" ] && grep -q '^peers:' -- "$CKPTFS_SLURM_CONFIG"; then
+        die "$CKPTFS_SLURM_CONFIG sets peers: a Slurm job's peers come from its node list"
+    fi
+    port=$((CKPTFS_SLURM_PORT_BASE + SLURM_JOB_ID % CKPTFS_SLURM_PORTS))
+    (umask 077 && mkdir -p -- "$JOB_RUN") || die "cannot create $JOB_RUN"
+    chmod 0700 -- "$JOB_RUN" || die "cannot make $JOB_RUN private"
+    # The key is read inside python, never on a command line (ps would show it).
+    (umask 077 && python3 -c '
+import hashlib, hmac, sys
+key = open(sys.argv[1], "rb").read().strip()
+sys.stdout.write(hmac.new(key, b"ckptfs-slurm-job:" + sys.argv[2].encode(), hashlib.sha256).hexdigest() + "\n")
+' "$CKPTFS_SLURM_SECRET" "$SLURM_JOB_ID" >"$JOB_RUN/secret") || die "cannot derive the job's secret"
+    {
+        if [ -r "$CKPTFS_SLURM_CONFIG" ]; then
+            cat -- "$CKPTFS_SLURM_CONFIG"
+            echo
+        fi
+        echo "peers:"
+        echo "  secret_file: '$JOB_RUN/secret'"
+        echo "  listen: '$CKPTFS_SLURM_LISTEN:$port'"
+        echo "  nodes:"
+        for node in "${nodes[@]}"; do
+            address=${CKPTFS_SLURM_NODE_ADDRESS//%n/$node}
+            echo "    '$node': '$address:$port'"
+        done
+    } >"$JOB_RUN/config.yaml" || die "cannot write $JOB_RUN/config.yaml"
+    log info "peers: ${nodes[*]} on port $port"
+}
+
+link_by_name() {
+    local link target
+    [ "$CKPTFS_SLURM_BY_NAME" = 1 ] || return 0
+    link=$(job_name_link) || return 0
+    if [ -L "$link" ]; then
+        target=$(readlink -- "$link")
+        if [ "$target" != "$JOB_MNT" ] && [ "$(mount_state "$target")" = live ]; then
+            log warning "$link is job ${target##*/}'s, still mounted: not linked to this job"
+            return 0
+        fi
+    fi
+    mkdir -p -- "${link%/*}" && ln -sfn -- "$JOB_MNT" "$link" ||
+        log warning "could not link $link to $JOB_MNT"
+}
+
 main() {
     job_setup
     case $(mount_state "$JOB_MNT") in
@@ -42,11 +100,13 @@ main() {
         ;;
     esac
     prepare_dirs
+    job_peers || rm -rf -- "$JOB_RUN"
     if ! job_mount; then
         # Leave no empty mountpoint behind either; rmdir never removes data.
         rmdir -- "$JOB_MNT" 2>/dev/null
         exit 1
     fi
+    link_by_name
     log info "mounted $JOB_MNT (backing $JOB_BACKING, cache $JOB_CACHE, node $SLURMD_NODENAME)"
 }
 

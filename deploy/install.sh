@@ -1,26 +1,44 @@
 #!/usr/bin/env bash
-# Installs what ckptfs needs on a Debian machine: FUSE 3 (packages), and a
-# virtual environment at .venv with ckptfs, torch==2.13.0 (CPU) and the test
-# tools. Safe to run again.
+# Installs ckptfs from this checkout on a Debian machine, into a virtual
+# environment at .venv. Safe to run again.
+#
+#   bash deploy/install.sh          # what the daemon and the demo need: FUSE 3
+#                                   # (packages), ckptfs and torch==2.13.0 (CPU)
+#   bash deploy/install.sh --test   # and the test stack: pytest and its plugins,
+#                                   # pyfuse3 (compiled), the pinned frameworks
 set -euo pipefail
 cd "$(dirname "$0")/.."
+TEST=0
+case "${1:-}" in
+--test) TEST=1 ;;
+"") ;;
+*) echo "usage: $0 [--test]" >&2; exit 2 ;;
+esac
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
-# gcc and python3-dev: pyfuse3, which the tests' stand-in store uses (the daemon
-# needs no compiler);
-# iproute2 and iptables: the fault trials' network namespaces and packet loss.
-$SUDO apt-get install -y -qq fuse3 libfuse3-dev pkg-config gcc python3-dev rsync openssl iproute2 iptables >/dev/null
+PACKAGES=(fuse3 python3-venv)
+# For the tests: gcc, python3-dev and libfuse3-dev build pyfuse3 (the tests'
+# stand-in NFS server; the daemon needs no compiler); iproute2 and iptables
+# make the fault trials' network namespaces and packet loss; util-linux's
+# mount(8) runs the mount helper.
+[ "$TEST" = 0 ] || PACKAGES+=(libfuse3-dev pkg-config gcc python3-dev rsync openssl iproute2 iptables util-linux)
+$SUDO apt-get install -y -qq "${PACKAGES[@]}" >/dev/null
 [ -x .venv/bin/python ] || python3 -m venv .venv
+PIP=(.venv/bin/pip install -q --disable-pip-version-check)
 # torch first and pinned: a bare "torch" requirement would pull a CUDA build.
-.venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
-# Real framework code for the tests (Lightning, HF Trainer, safetensors); pinned,
-# and torch==2.13.0 is listed there too so pip fails rather than replace it.
-.venv/bin/pip install -q --disable-pip-version-check -r tests/requirements-frameworks.txt
+"${PIP[@]}" torch==2.13.0
+if [ "$TEST" = 1 ]; then
+    "${PIP[@]}" -e '.[test]'
+    # Real framework code for the tests (Lightning, HF Trainer, safetensors); pinned,
+    # and torch==2.13.0 is listed there too so pip fails rather than replace it.
+    "${PIP[@]}" -r tests/requirements-frameworks.txt
+else
+    "${PIP[@]}" -e .
+fi
 # The editable install runs the sources in place, and nothing writes their
 # bytecode where PYTHONDONTWRITEBYTECODE is set (as on CI): every daemon and
 # every CLI call would compile ckptfs again, about 0.45 s per daemon start.
 .venv/bin/python -m compileall -q __init__.py __main__.py fs peer tools tests >/dev/null
-echo "ckptfs installed: $(.venv/bin/ckptfs --help >/dev/null && echo .venv/bin/ckptfs)"
+echo "ckptfs installed: $(.venv/bin/ckptfs --version) at .venv/bin/ckptfs"

@@ -19,7 +19,8 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -107,20 +108,11 @@ class Progress:
             return None
         return left_to_store(reply, self.whole_mount)
 
-    def _shape(self) -> tuple[int, int]:
-        """The terminal's columns and rows; 80x24 where it says 0 (a pty
-        nobody sized), at which tqdm would draw nothing at all."""
-        try:
-            size = os.get_terminal_size(self.out.fileno())
-        except (OSError, ValueError):
-            return 80, 24
-        return size.columns or 80, size.lines or 24
-
     def _bar(self, first: int | None, done: threading.Event) -> None:
         total = first or 0
         with tqdm(total=total, unit="iB", unit_scale=True, unit_divisor=UNIT, file=self.out,
-                  desc=self.short, ncols=self._shape()[0], nrows=self._shape()[1],
-                  leave=False, bar_format=BAR) as bar:  # fmt: skip
+                  desc=self.short, **shape(self.out), leave=False,
+                  bar_format=BAR) as bar:  # fmt: skip
             while not done.wait(POLL):
                 left = self._left()
                 if left is None:
@@ -149,6 +141,16 @@ class Progress:
               file=self.out, flush=True)  # fmt: skip
 
 
+def shape(out: TextIO) -> dict[str, int]:
+    """tqdm's ncols and nrows: the terminal's, or 80x24 where it says 0 (a
+    pty nobody sized), at which tqdm would draw nothing at all."""
+    try:
+        size = os.get_terminal_size(out.fileno())
+    except (OSError, ValueError):
+        return {"ncols": 80, "nrows": 24}
+    return {"ncols": size.columns or 80, "nrows": size.lines or 24}
+
+
 def bars(files: Iterable[dict[str, Any]], width: int = 80) -> list[str]:
     """For ``stat --watch``: a bar per file being flushed (bytes stored of
     its size), and a line per file being mirrored (the buddy acknowledges a
@@ -168,3 +170,22 @@ def bars(files: Iterable[dict[str, Any]], width: int = 80) -> list[str]:
                                        bar_format="{desc}: {percentage:3.0f}%|{bar}| "
                                        "{n_fmt}/{total_fmt}{unit}"))  # fmt: skip
     return lines
+
+
+@contextmanager
+def gc_progress(out: TextIO) -> Iterator[Callable[[str], None] | None]:
+    """For ``ckptfs gc`` on a terminal: counters of the manifests read and
+    of the store's files looked at (neither total is known before the walk
+    ends). None off a terminal: gc's report says it all at the end."""
+    if not out.isatty():
+        yield None
+        return
+    # leave=True: the final counts stay above the report.
+    manifests = tqdm(desc="manifests read", unit="", file=out, position=0, **shape(out))
+    chunks = tqdm(desc="store files looked at", unit="", file=out, position=1, **shape(out))
+    bars = {"manifest": manifests, "chunk": chunks}
+    try:
+        yield lambda what: bars[what].update()
+    finally:
+        chunks.close()
+        manifests.close()

@@ -107,3 +107,24 @@ def test_stat_watch_bars_and_the_bytes_left_of_the_files_asked_about(mounts) -> 
     assert left_to_store(reply, whole_mount=True) == reply["progress"]["to_store"]
     m.wait_durable()
     assert bars(m.stat()["files"]) == []
+
+
+def test_gc_on_a_terminal_counts_what_it_walks_then_reports(mounts) -> None:  # type: ignore[no-untyped-def]
+    m = mounts()
+    m.mount()
+    for i in range(3):
+        (m.mnt / f"{i}.pt").write_bytes(os.urandom(5 * MiB))
+    m.wait_durable()
+    (m.mnt / "0.pt").unlink()  # its two chunks become garbage
+    m.umount()
+    code, out = on_a_terminal(m, "gc", str(m.backing), "--grace", "0")
+    assert code == 0, out
+    assert re.search(r"manifests read: 2", out), out
+    assert re.search(r"store files looked at: [1-9]", out), out
+    assert re.search(
+        r"would remove 2 chunk file\(s\), \d+ bytes; \d+ referenced by 2 manifest", out
+    )
+    # Off a terminal: the report alone.
+    done = m.cli("gc", str(m.backing), "--grace", "0")
+    assert "manifests read" not in done.stdout + done.stderr
+    assert done.stdout.splitlines()[-1] == "nothing was removed: run with --delete to remove them"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from ckptfs.fs.store.manifest import ManifestError, read_manifest
@@ -16,6 +17,7 @@ from ckptfs.tools.offline.check import PendingFile, check
 from ckptfs.tools.offline.export import export
 from ckptfs.tools.offline.gc import collect_garbage
 from ckptfs.tools.offline.walk import find_backing_root
+from ckptfs.tools.progress import gc_progress
 
 
 class OfflineError(Exception):
@@ -60,7 +62,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     root, _ = backing_path(args.path)
     # Only a report unless --delete: an operator who runs gc to look loses nothing.
-    result = collect_garbage(root, grace_seconds=args.grace, dry_run=not args.delete)
+    with gc_progress(sys.stderr) as progress:
+        result = collect_garbage(
+            root, grace_seconds=args.grace, dry_run=not args.delete, progress=progress
+        )
     for problem in result.problems:
         print(f"ckptfs: warning: {problem}")
     if result.refused:

@@ -22,7 +22,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,8 +50,16 @@ class GcResult:
     problems: list[Problem] = field(default_factory=list)
 
 
-def collect_garbage(backing: Path, grace_seconds: float = 3600, dry_run: bool = False) -> GcResult:
-    """Remove unreferenced chunks and stale temporary files older than the grace period."""
+def collect_garbage(
+    backing: Path,
+    grace_seconds: float = 3600,
+    dry_run: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> GcResult:
+    """Remove unreferenced chunks and stale temporary files older than the
+    grace period. ``progress`` is told ``"manifest"`` for each manifest read
+    and ``"chunk"`` for each file of the chunk store looked at."""
+    tick = progress or (lambda what: None)
     if grace_seconds < 0:
         raise ValueError(f"grace_seconds must not be negative, got {grace_seconds}")
     backing = Path(backing)
@@ -62,7 +70,7 @@ def collect_garbage(backing: Path, grace_seconds: float = 3600, dry_run: bool = 
     # .ckptfs a user made a symlink would lead the removals elsewhere).
     store.fd  # noqa: B018 (NotPrivate, naming it, if it is not)
     result = GcResult(dry_run=dry_run, cutoff=time.time() - grace_seconds)
-    referenced = _referenced_chunks(backing, grace_seconds, result)
+    referenced = _referenced_chunks(backing, grace_seconds, result, tick)
     result.referenced = len(referenced)
     if result.problems:
         result.refused = (
@@ -71,6 +79,7 @@ def collect_garbage(backing: Path, grace_seconds: float = 3600, dry_run: bool = 
         )
         return result
     for path, name, st in _store_files(store):
+        tick("chunk")
         if _CHUNK_NAME.fullmatch(name):
             result.chunks += 1
             if name in referenced:
@@ -88,9 +97,12 @@ def collect_garbage(backing: Path, grace_seconds: float = 3600, dry_run: bool = 
     return result
 
 
-def _referenced_chunks(backing: Path, grace_seconds: float, result: GcResult) -> set[str]:
+def _referenced_chunks(
+    backing: Path, grace_seconds: float, result: GcResult, tick: Callable[[str], None]
+) -> set[str]:
     referenced: set[str] = set()
     for found in walk_files(backing, include_tmp=True, errors=result.problems):
+        tick("manifest")
         path = found.path
         tmp = is_tmp_name(path.name)
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -135,6 +136,11 @@ class CommitMixin:
             )
             return True
         self._retry.discard(f)
+        held = (
+            "in this node's RAM" if len(snap.holders) < 2 else f"held by {', '.join(snap.holders)}"
+        )
+        log.info("saved: %s (%d bytes, %s, %.2fs after its open)", f.path, snap.size, held,
+                 time.time() - f.opened_at)  # fmt: skip
         if self.cache.published(snap):
             if f.path != path:  # renamed while its record was being written
                 await journal.save(record_of(self.cache.journal_snapshot(f)))

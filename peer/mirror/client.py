@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -467,10 +468,11 @@ class MirrorClient:
         self.fallbacks += 1
         self.fallback_paths = [*self.fallback_paths[-99:], f.path]
         log.warning(
-            "%s is not mirrored (%s): it is safe against a crash of this daemon, "
-            "not of this node, until it is durable",
+            "%s is not mirrored (%s), %.2fs after its open: it is safe against a crash of "
+            "this daemon, not of this node, until it is durable",
             f.path,
             reason,
+            time.time() - f.opened_at,
         )
 
     async def resync(self) -> int:

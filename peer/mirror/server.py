@@ -344,6 +344,7 @@ class MirrorServer:
         one else flushes it: those versions are taken over (if it kept its
         cache, it flushes them too, and the fenced publish lets one win).
         What the new process mirrors is its own, left alone."""
+        start = time.monotonic()
         if begun:
             taken = await self._take_over(origin, restarted_as)
         else:
@@ -351,7 +352,8 @@ class MirrorServer:
                 taken = await self._take_over(origin, restarted_as)
         self.takeovers += taken
         why = "dead" if restarted_as is None else "restarted"
-        log.info("peer %s %s: took over %d mirrored file(s)", origin, why, taken)
+        log.info("peer %s %s: took over %d mirrored file(s) in %.2fs", origin, why, taken,
+                 time.monotonic() - start)  # fmt: skip
         return taken
 
     async def _take_over(self, origin: str, restarted_as: str | None = None) -> int:

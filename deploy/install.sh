@@ -30,12 +30,11 @@ PIP=(.venv/bin/pip install -q --disable-pip-version-check)
 # torch first and pinned: a bare "torch" requirement would pull a CUDA build.
 "${PIP[@]}" torch==2.13.0
 if [ "$TEST" = 1 ]; then
-    "${PIP[@]}" -e '.[test]'
-    # Real framework code for the tests (Lightning, HF Trainer, safetensors); pinned,
-    # and torch==2.13.0 is listed there too so pip fails rather than replace it.
-    "${PIP[@]}" -r tests/requirements-frameworks.txt
+    # Real framework code for the tests (Lightning, HF Trainer, safetensors);
+    # pinned, with torch==2.13.0 among them so pip fails rather than replace it.
+    "${PIP[@]}" -e '.[test,frameworks]'
 else
-    "${PIP[@]}" -e .
+    "${PIP[@]}" -e '.[torch]'
 fi
 # The editable install runs the sources in place, and nothing writes their
 # bytecode where PYTHONDONTWRITEBYTECODE is set (as on CI): every daemon and

@@ -86,21 +86,35 @@ job_setup() {
     JOB_RUN="${CKPTFS_SLURM_RUN%/}/$SLURM_JOB_ID"
 }
 
-scontrol_job() { # FIELD: one field of `scontrol show job -o` for this job
-    "$CKPTFS_SLURM_SCONTROL" show job -o "$SLURM_JOB_ID" 2>/dev/null |
-        tr ' ' '\n' | sed -n "s/^$1=//p" | head -n 1
+# FIELD: one field of `scontrol show job -o` for this job, if it is there
+# once and its value is one word. The user chooses some fields (the job name,
+# the comment, paths), and one of those could hold " NodeList=..." or
+# " JobName=...": a field seen twice, or a value followed by a word that is
+# no FIELD=, is not trusted.
+scontrol_job() {
+    "$CKPTFS_SLURM_SCONTROL" show job -o "$SLURM_JOB_ID" 2>/dev/null | awk -v key="$1" '
+        { for (i = 1; i <= NF; i++) if (index($i, key "=") == 1) { n++; at = i } }
+        END {
+            if (n != 1 || (at < NF && $(at + 1) !~ /^[A-Za-z]+=/)) exit 1
+            print substr($at, length(key) + 2)
+        }'
 }
 
 job_nodes() { # the job's nodes, one per line, in Slurm's order (the same on every node)
     local list=${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}}
     [ -n "$list" ] || list=$(scontrol_job NodeList)
     [ -n "$list" ] || return 1
-    "$CKPTFS_SLURM_SCONTROL" show hostnames "$list"
+    local node
+    "$CKPTFS_SLURM_SCONTROL" show hostnames "$list" | while read -r node; do
+        # Names go into the job's YAML config and must be ckptfs node names.
+        [[ $node =~ ^[A-Za-z0-9_.-]{1,64}$ ]] || { log err "bad node name '$node'"; exit 1; }
+        echo "$node"
+    done
 }
 
 job_name_link() { # the by-name link of this job: <root>/by-name/<user>/<job name>
     local name
-    name=$(scontrol_job JobName)
+    name=${SLURM_JOB_NAME:-$(scontrol_job JobName)}
     # A name that is not one path component is not used (no link, no error).
     [[ $name =~ ^[A-Za-z0-9_.-]{1,128}$ && $name != . && $name != .. ]] || return 1
     echo "$JOB_ROOT/by-name/$SLURM_JOB_USER/$name"

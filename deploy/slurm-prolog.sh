@@ -35,19 +35,20 @@ prepare_dirs() {
 # that no secret is distributed per job and one job's cannot open another's.
 # Returns 1 (nodes mount alone) for a job of one node or without a cluster secret.
 job_peers() {
-    local nodes node port address
-    mapfile -t nodes < <(job_nodes) || true
+    local nodes node port address listed
+    # Without a cluster secret the site does not use peers: every node alone.
+    [ -r "$CKPTFS_SLURM_SECRET" ] || return 1
+    listed=$(job_nodes) || die "cannot list the job's nodes (scontrol)"
+    mapfile -t nodes <<<"$listed"
     [ "${#nodes[@]}" -ge 2 ] || return 1
-    if [ ! -r "$CKPTFS_SLURM_SECRET" ]; then
-        log warning "no cluster secret at $CKPTFS_SLURM_SECRET: the job's nodes mount alone"
-        return 1
-    fi
     if [ -r "$CKPTFS_SLURM_CONFIG" ] && grep -q '^peers:' -- "$CKPTFS_SLURM_CONFIG"; then
         die "$CKPTFS_SLURM_CONFIG sets peers: a Slurm job's peers come from its node list"
     fi
     port=$((CKPTFS_SLURM_PORT_BASE + SLURM_JOB_ID % CKPTFS_SLURM_PORTS))
-    (umask 077 && mkdir -p -- "$JOB_RUN") || die "cannot create $JOB_RUN"
-    chmod 0700 -- "$JOB_RUN" || die "cannot make $JOB_RUN private"
+    # The parents as any run directory (/run/ckptfs holds the control sockets
+    # every user reaches), the job's own for root alone.
+    (umask 022 && mkdir -p -- "${CKPTFS_SLURM_RUN%/}") || die "cannot create $CKPTFS_SLURM_RUN"
+    install -d -m 0700 -- "$JOB_RUN" || die "cannot create $JOB_RUN"
     # The key is read inside python, never on a command line (ps would show it).
     (umask 077 && python3 -c '
 import hashlib, hmac, sys

@@ -18,7 +18,8 @@ from ckptfs.fs.configerror import ConfigError
 from ckptfs.peer.config import Address, PeersConfig, parse_address, parse_peers
 
 DURABILITY_LEVELS = ("local", "buddy", "backing")
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+# WARN and CRITICAL: what CKPTFS_LOG_LEVEL took before it was a key (logging's names).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL")
 LOG_FORMATS = ("text", "json")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b|%)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}

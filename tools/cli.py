@@ -28,7 +28,7 @@ from ckptfs.tools.control import ControlError, daemon_pid, find_mount, request, 
 from ckptfs.tools.offline import cli as offline_cli
 from ckptfs.tools.offline.cli import OfflineError
 from ckptfs.tools.progress import Progress, bars
-from ckptfs.tools.statfmt import format_stat
+from ckptfs.tools.statfmt import format_stat, shown
 
 MOUNT_TIMEOUT = 60.0
 
@@ -87,7 +87,9 @@ def _spawn_daemon(args: argparse.Namespace, mountpoint: Path, run: Path, log_fil
     log_file.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "CKPTFS_DAEMONIZED": "1", "CKPTFS_RUN_DIR": str(run)}
     start_offset = log_file.stat().st_size if log_file.exists() else 0
-    with open(log_file, "ab") as log_out:
+    # The daemon's log names every user's files: root's alone (fs/daemon/logs.py).
+    log_fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    with open(log_fd, "ab") as log_out:
         child = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
@@ -190,11 +192,11 @@ def cmd_umount(args: argparse.Namespace) -> int:
     left = int(reply.get("not_durable_count") or 0)
     if reply.get("forced") and left:
         names = reply.get("not_durable") or []
-        shown = "".join(f"\n  {name}" for name in names[:20])
+        listed = "".join(f"\n  {shown(name)}" for name in names[:20])
         more = f"\n  ... and {len(names) - 20} more" if len(names) > 20 else ""
         print(
             f"unmounted {mountpoint} without flushing: {left} file(s) not durable stay in "
-            f"{reply.get('cache')} for the next mount of it{shown}{more}"
+            f"{reply.get('cache')} for the next mount of it{listed}{more}"
         )
     else:
         print(f"unmounted {mountpoint}")
@@ -352,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", help="tmpfs directory for the cache (default /dev/shm/ckptfs)")
     p.add_argument("--durability", choices=["local", "buddy", "backing"])
     p.add_argument("--node", help="this node's name (default: hostname)")
-    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                    type=str.upper, help="the daemon's log level (default INFO)")  # fmt: skip
     p.add_argument("--foreground", action="store_true", help="do not daemonize")
     p.set_defaults(func=cmd_mount)

@@ -10,7 +10,7 @@ import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from ckptfs.tools.statfmt import human
+from ckptfs.tools.statfmt import human, shown
 
 _AGO = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -43,12 +43,12 @@ def table(lines: list[dict[str, Any]]) -> str:
     for line in lines:
         rows.append((
             line["time"][:19].replace("T", " "),
-            line["node"],
+            shown(line["node"]),
             human(line["size"]),
             _seconds(line["close_s"]),
             _seconds(line["mirrored_s"]),
             _seconds(line["durable_s"]),
-            line["path"],
+            shown(line["path"]),
         ))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     out = []

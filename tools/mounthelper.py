@@ -48,8 +48,12 @@ def parse(argv: list[str]) -> tuple[list[str], dict[str, str], bool]:
             options += next(args, "").split(",")
         elif arg.startswith("-o"):
             options += arg[2:].split(",")
-        elif arg in ("-t", "-N"):
-            next(args, None)  # the type (ours), a namespace (not supported below)
+        elif arg == "-t":
+            next(args, None)  # the type: ours
+        elif arg == "-N":
+            # mount(8) would mount in another mount namespace: this helper
+            # cannot, and mounting here instead would be a mount nobody sees.
+            raise HelperError("mount -N (another mount namespace) is not supported")
         elif arg.startswith("-") and len(arg) > 1:
             fake = fake or "f" in arg[1:]  # -s sloppy, -n no mtab, -v verbose: nothing to do
         else:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ckptfs.tools.control import ControlError
-from ckptfs.tools.statfmt import human
+from ckptfs.tools.statfmt import human, shown
 from tqdm import tqdm
 
 # Binary units, as the rest of the CLI's sizes (statfmt.human): tqdm writes
@@ -106,7 +106,10 @@ class Progress:
             return None
         if not reply.get("ok"):
             return None
-        return left_to_store(reply, self.whole_mount)
+        try:
+            return left_to_store(reply, self.whole_mount)
+        except (KeyError, TypeError):  # a daemon of another version: no display either
+            return None
 
     def _bar(self, first: int | None, done: threading.Event) -> None:
         total = first or 0
@@ -158,14 +161,14 @@ def bars(files: Iterable[dict[str, Any]], width: int = 80) -> list[str]:
     lines = []
     for f in files:
         if f["state"] == "dirty" and f.get("mirror") == "streaming":
-            lines.append(f"mirroring {f['path']}: {size(f['size'])} to the buddy")
+            lines.append(f"mirroring {shown(f['path'])}: {size(f['size'])} to the buddy")
             continue
         if f["state"] != "flushing":
             continue
         done = min(f["flushed_bytes"], f["size"])
         label = "flushing"
         lines.append(tqdm.format_meter(done, max(f["size"], 1), 0, ncols=width,
-                                       prefix=f"{label} {f['path']}", unit="iB",
+                                       prefix=f"{label} {shown(f['path'])}", unit="iB",
                                        unit_scale=True, unit_divisor=UNIT,
                                        bar_format="{desc}: {percentage:3.0f}%|{bar}| "
                                        "{n_fmt}/{total_fmt}{unit}"))  # fmt: skip

@@ -20,6 +20,15 @@ PEERS_BY_NAME = 8  # more peers than this are counted by state, not named
 VERBOSE_HINT = "ckptfs stat --verbose lists them"
 
 
+def shown(path: str) -> str:
+    """A file name as a terminal may print it: a user chooses their file
+    names, and a name holding escape sequences must not drive the terminal
+    of the root who lists it. Non-printable characters become escapes."""
+    if path.isprintable():
+        return path
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in path)
+
+
 def human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -171,7 +180,7 @@ def mirrored_text(mirroring: dict[str, Any]) -> str:
 
 def taken_over_lines(s: dict[str, Any], verbose: bool) -> list[str]:
     items = [
-        f"{f['path']} ({human(f['size'])}) from {f['origin']}, which died: "
+        f"{shown(f['path'])} ({human(f['size'])}) from {f['origin']}, which died: "
         "being made durable from here"
         for f in s.get("taken_over", [])
     ]
@@ -179,7 +188,7 @@ def taken_over_lines(s: dict[str, Any], verbose: bool) -> list[str]:
 
 
 def lost_lines(s: dict[str, Any], verbose: bool) -> list[str]:
-    items = [f"{f['path']}: {f['reason']}" for f in s.get("lost", [])]
+    items = [f"{shown(f['path'])}: {f['reason']}" for f in s.get("lost", [])]
     hidden = (s.get("not_shown") or {}).get("lost", 0)
     if hidden:
         items.append(f"{count(hidden, 'file')} of other users (not shown)")
@@ -190,16 +199,16 @@ def when(stamp: str, today: str) -> str:
     """A history time (UTC ISO-8601, ``2026-12-03T21:43:03+00:00``): the
     time alone if ``today`` (a UTC date), else the day and the minute."""
     day, _, clock = stamp.partition("T")
-    return clock[:8] if day == today else f"{day} {clock[:5]}"
+    return f"{clock[:8]}Z" if day == today else f"{day} {clock[:5]}Z"
 
 
 def recent_lines(s: dict[str, Any], verbose: bool) -> list[str]:
     history = s.get("history") or []
-    shown = history if verbose else history[-RECENT:]
+    listed = history if verbose else history[-RECENT:]
     today = time.strftime("%Y-%m-%d", time.gmtime())
     items = []
-    for h in reversed(shown):  # the newest first
-        line = f"{when(h['time'], today):<8}  {human(h['size']):>10}  {h['path']}"
+    for h in reversed(listed):  # the newest first
+        line = f"{when(h['time'], today):<9}  {human(h['size']):>10}  {shown(h['path'])}"
         if verbose:
             mirrored = f", mirrored {h['mirrored_s']} s" if h.get("mirrored_s") != "" else ""
             line += (
@@ -217,7 +226,7 @@ def file_line(f: dict[str, Any]) -> str:
         done = f"{min(f['flushed_bytes'], f['size']) / f['size']:.0%}"
     else:
         done = ""
-    return f"{f['state']:<9} {human(f['size']):>10} {done:>5}  {f['path']}"
+    return f"{f['state']:<9} {human(f['size']):>10} {done:>5}  {shown(f['path'])}"
 
 
 def files_lines(s: dict[str, Any], verbose: bool) -> list[str]:
@@ -405,7 +414,11 @@ def mirroring_lines(mirroring: dict[str, Any]) -> list[str]:
                 "mirror",
                 f"to {writer['buddy']}: {writer['commits']} file(s) mirrored, "
                 f"{human(writer['bytes_sent'])} sent, {writer['fallbacks']} fell back to local"
-                + (f" (last: {writer['fallback_paths'][-1]})" if writer["fallback_paths"] else "")
+                + (
+                    f" (last: {shown(writer['fallback_paths'][-1])})"
+                    if writer["fallback_paths"]
+                    else ""
+                )
                 + (
                     f", {writer['pages_damaged']} page(s) arrived damaged and were sent again"
                     if writer.get("pages_damaged")

@@ -208,7 +208,8 @@ async def _accept_loop(
 def _refuse(stream: trio.SocketStream, reason: str) -> None:
     """Tell the client why and close, without waiting: the reply is small and
     a new connection's buffer is empty, so the write either fits or is dropped."""
-    line = json.dumps({"ok": False, "busy": True, "error": reason}).encode() + b"\n"
+    reply = {"ok": False, "busy": True, "error": reason, "version": __version__}
+    line = json.dumps(reply).encode() + b"\n"
     try:
         os.write(stream.socket.fileno(), line)
     except OSError:

@@ -30,6 +30,7 @@ from ckptfs.fs.fuse.mount import MountFailed, mount, unmount
 from ckptfs.fs.fuse.operations import Operations
 from ckptfs.fs.fuse.session import Session, notify_store
 from ckptfs.fs.fuse.session import describe as describe_session
+from ckptfs.fs.store.history import Query
 from ckptfs.peer.node import PeerNode
 from ckptfs.peer.reads.represent import Representation
 
@@ -285,10 +286,14 @@ class Daemon:
                 raise ValueError(f"{name} must be seconds since the epoch")
         if not isinstance(limit, int) or limit < 1:
             raise ValueError("limit must be a positive integer")
-        lines = await self.core.history_lines(
-            peer.uid, str(req.get("path", "")), since, until, min(limit, 100_000)
+        query = Query(
+            uid=None if peer.uid == 0 else peer.uid,
+            prefix=str(req.get("path", "")),
+            since=since,
+            until=until,
+            limit=min(limit, 100_000),
         )
-        return {"ok": True, "lines": lines}
+        return {"ok": True, "lines": await self.core.history_lines(query)}
 
     async def _ping(self, req: dict[str, Any], peer: control.Peer) -> dict[str, Any]:
         return {

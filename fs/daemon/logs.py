@@ -3,6 +3,7 @@
 - A log file (``log``, default ``/run/ckptfs/<mount id>.log``) is written
   through a WatchedFileHandler: after logrotate moves it away, the next line
   reopens the path, so rotation needs no ``copytruncate`` and no signal.
+  It is root's alone (0600): it names every user's files.
 - Under systemd (stderr is the journal's stream, ``JOURNAL_STREAM``), lines go
   to stderr with the kernel's ``<N>`` priority prefix and no timestamp, so
   that ``journalctl -p warning`` selects them and the journal's own time
@@ -20,6 +21,7 @@ import os
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TextIO
 
 TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -31,6 +33,17 @@ _JOURNAL_PRIORITY = {
     logging.ERROR: 3,
     logging.CRITICAL: 2,
 }
+
+
+class PrivateLogFile(logging.handlers.WatchedFileHandler):
+    """Created 0600 however often rotation makes it anew (the process's
+    umask stays as it is: it shapes no file of the daemon's but this)."""
+
+    def _open(self) -> TextIO:
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+        fd = os.open(self.baseFilename, flags, 0o600)
+        os.fchmod(fd, 0o600)  # one made by an older release, or by hand
+        return open(fd, "a", encoding=self.encoding, errors=self.errors)
 
 
 class JsonLines(logging.Formatter):
@@ -77,7 +90,7 @@ def setup_logging(
     plain = JsonLines() if form == "json" else logging.Formatter(TEXT)
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
-        to_file = logging.handlers.WatchedFileHandler(log_file)
+        to_file = PrivateLogFile(log_file)
         to_file.setFormatter(plain)
         handlers.append(to_file)
     if foreground or log_file is None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -36,6 +37,7 @@ from prometheus_client.registry import Collector
 log = logging.getLogger("ckptfs.metrics")
 
 SNAPSHOT_TIMEOUT = 10.0
+SNAPSHOT_REUSE = 1.0  # seconds a snapshot answers further scrapes
 STORE_HEALTH = ("normal", "slow", "down", "full", "failing")
 DAEMON_HEALTH = ("ok", "unmounting", "flush failing")  # statview.daemon_health
 CACHE_STATES = ("dirty", "mirrored", "flushing", "durable")
@@ -78,21 +80,33 @@ class Timings:
 
 
 class _StatCollector(Collector):
+    """One snapshot at a time, and one per SNAPSHOT_REUSE seconds whatever
+    the number of scrapers: each costs the event loop a walk over every
+    file, and anyone who reaches the port may scrape (each request is a
+    thread of the HTTP server)."""
+
     def __init__(self, snapshot: Snapshot, token: trio.lowlevel.TrioToken) -> None:
         self._snapshot = snapshot
         self._token = token
+        self._lock = threading.Lock()
+        self._last: tuple[float, dict[str, Any]] | None = None
 
     def _take(self) -> dict[str, Any]:
         async def bounded() -> dict[str, Any]:
             with trio.fail_after(SNAPSHOT_TIMEOUT):
                 return await self._snapshot()
 
-        return trio.from_thread.run(bounded, trio_token=self._token)
+        with self._lock:
+            if self._last is not None and time.monotonic() - self._last[0] < SNAPSHOT_REUSE:
+                return self._last[1]
+            s = trio.from_thread.run(bounded, trio_token=self._token)
+            self._last = (time.monotonic(), s)
+            return s
 
     def collect(self) -> Iterator[Any]:
         try:
             s = self._take()
-        except trio.RunFinishedError:
+        except (trio.RunFinishedError, trio.Cancelled):
             return  # the daemon is stopping: only the histograms are left
         except trio.TooSlowError:
             log.warning("metrics: no snapshot of the daemon within %gs", SNAPSHOT_TIMEOUT)

@@ -139,7 +139,7 @@ class CommitMixin:
         held = (
             "in this node's RAM" if len(snap.holders) < 2 else f"held by {', '.join(snap.holders)}"
         )
-        log.info("saved: %s (%d bytes, %s, %.2fs after its open)", f.path, snap.size, held,
+        log.info("saved: %r (%d bytes, %s, %.2fs after its open)", f.path, snap.size, held,
                  time.time() - f.opened_at)  # fmt: skip
         if self.cache.published(snap):
             if f.path != path:  # renamed while its record was being written

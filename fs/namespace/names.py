@@ -140,7 +140,7 @@ class NamesMixin:
                 raise FsError(errno.EISDIR)
             await self.backing.unlink(path, self._dir_ino(parent), entry)
             self._removed(parent, name, entry)
-        log.info("deleted %s", path)
+        log.info("deleted %r", path)  # %r: a name's newline forges no log line
 
     def _removed(self, parent: int, name: str, entry: Entry) -> None:
         """A name went away: its file's bytes live on only for open handles

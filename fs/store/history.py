@@ -16,11 +16,15 @@ root only.
 from __future__ import annotations
 
 import csv
+import heapq
+import io
 import logging
 import math
 import os
+import re
 import stat
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -136,44 +140,98 @@ def _header(fd: int) -> list[str]:
     return first.split(",")
 
 
-def read_all(dirs: StoreDirs) -> list[dict[str, Any]]:
-    """Every node's history lines, validated (the files are in the shared
-    store, written by other nodes' daemons): each a dict of FIELDS with
-    ``time`` as an aware UTC datetime, ``node``, and ``uid`` None where the
-    line has none. Blocking: run it in a thread. Lines that do not parse
-    are skipped and counted in the log."""
+@dataclass(frozen=True)
+class Query:
+    """Which history lines a caller gets: ``uid`` None for root (all),
+    under ``prefix`` ("" everything), within [since, until] (seconds since
+    the epoch), the newest ``limit``."""
+
+    uid: int | None
+    prefix: str = ""
+    since: float | None = None
+    until: float | None = None
+    limit: int = 1000
+
+    def wants(self, line: dict[str, Any]) -> bool:
+        path, stamp = line["path"], line["time"].timestamp()
+        return (
+            (self.uid is None or line["uid"] == self.uid)
+            and (not self.prefix or path == self.prefix or path.startswith(self.prefix + "/"))
+            and (self.since is None or stamp >= self.since)
+            and (self.until is None or stamp <= self.until)
+        )
+
+
+_OLD = re.compile(r"^old-\d{8}T\d{6}-(.+)\.csv$")
+
+
+def read_all(
+    dirs: StoreDirs, query: Query, extra: tuple[Path, str] | None = None
+) -> list[dict[str, Any]]:
+    """Every node's history lines that ``query`` wants, oldest first: each a
+    dict of FIELDS with ``time`` an aware UTC datetime, ``node``, and
+    ``uid`` None where the line has none. ``extra``: a history file outside
+    the store (the ``history`` key) and its node. The files are in the shared store,
+    written by other nodes' daemons: each field is validated, a line that
+    does not parse is skipped, a file that cannot be read is skipped whole,
+    and only the newest ``limit`` lines are kept while reading (memory
+    bounded whatever the files hold). Blocking: run it in a thread."""
+    newest: list[tuple[float, int, dict[str, Any]]] = []  # a heap: the oldest first
+    seen = 0
     try:
-        names = dirs.names(HISTORY)
+        names = [n for n in dirs.names(HISTORY) if n.endswith(".csv")]
     except FileNotFoundError:
-        return []
-    out: list[dict[str, Any]] = []
-    for name in sorted(names):
-        if not name.endswith(".csv"):
-            continue
-        node = name[:-4].split("-", 2)[2] if name.startswith("old-") else name[:-4]
+        names = []
+    sources: list[tuple[str, int | None, str]] = [
+        (name, dirs.private(HISTORY), _node_of(name)) for name in sorted(names)
+    ]
+    if extra is not None:
+        sources.append((str(extra[0]), None, extra[1]))
+    for name, dir_fd, node in sources:
+        where = dirs.path(HISTORY) / name if dir_fd is not None else Path(name)
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
-                         dir_fd=dirs.private(HISTORY))  # fmt: skip
-        except OSError as exc:
-            log.warning("history %s: %s", dirs.path(HISTORY) / name, exc.strerror)
-            continue
-        with open(fd, newline="", errors="replace") as f:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_READ:
-                log.warning("history %s: not a regular file of at most %d MiB: skipped",
-                            dirs.path(HISTORY) / name, MAX_READ >> 20)  # fmt: skip
-                continue
-            bad = 0
-            for row in csv.DictReader(f):
-                line = _valid(row, node)
-                if line is None:
-                    bad += 1
+            for line in _lines(name, dir_fd, node, where):
+                if not query.wants(line):
+                    continue
+                seen += 1
+                entry = (line["time"].timestamp(), seen, line)
+                if len(newest) < query.limit:
+                    heapq.heappush(newest, entry)
                 else:
-                    out.append(line)
-            if bad:
-                log.warning("history %s: %d line(s) that do not parse were skipped",
-                            dirs.path(HISTORY) / name, bad)  # fmt: skip
-    return out
+                    heapq.heappushpop(newest, entry)
+        except (OSError, csv.Error, UnicodeError) as exc:
+            log.warning("history %s: skipped: %s", where, exc)
+    return [line for _, _, line in sorted(newest)]
+
+
+def _node_of(name: str) -> str:
+    old = _OLD.match(name)
+    return old.group(1) if old else name.removesuffix(".csv")
+
+
+def _lines(name: str, dir_fd: int | None, node: str, where: Path) -> Iterator[dict[str, Any]]:
+    """The valid lines of one history file; a file that is not a regular
+    file of at most MAX_READ is refused before it is opened (a device node
+    is never opened as root)."""
+    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_READ:
+        raise OSError(f"not a regular file of at most {MAX_READ >> 20} MiB")
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    with open(fd, newline="", errors="replace") as f:
+        opened = os.fstat(fd)
+        if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
+            raise OSError("replaced while it was opened")
+        bad = 0
+        # At most the bytes it had when looked at: one growing meanwhile (a
+        # node appending now) is read to there.
+        for row in csv.DictReader(io.StringIO(f.read(st.st_size))):
+            line = _valid(row, node)
+            if line is None:
+                bad += 1
+            else:
+                yield line
+    if bad:
+        log.warning("history %s: %d line(s) that do not parse were skipped", where, bad)
 
 
 def _valid(row: dict[str | None, Any], node: str) -> dict[str, Any] | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
 import shutil
 import signal
@@ -43,6 +44,7 @@ print(json.dumps(True))
 
 READ = """
 import hashlib
+import json
 print(json.dumps(hashlib.sha256(open(sys.argv[3], "rb").read()).hexdigest()))
 """
 
@@ -90,7 +92,8 @@ def node_env(site: Path, i: int, job: int, nodes: list[str]) -> dict[str, str]:
         "CKPTFS_SLURM_SECRET": str(site / "cluster.secret"),
         "CKPTFS_SLURM_SCONTROL": str(site / "scontrol"),
         "CKPTFS_SLURM_LISTEN": NODES[i],
-        "CKPTFS_SLURM_RUN": str(site / f"node{i}" / "slurm"),
+        # Inside the daemon's run_dir, as /run/ckptfs/slurm is in /run/ckptfs.
+        "CKPTFS_SLURM_RUN": str(site / f"node{i}" / "run" / "slurm"),
         "CKPTFS_SLURM_MOUNT_TIMEOUT": "60",
         "CKPTFS_SLURM_UMOUNT_TIMEOUT": "60",
         "CKPTFS_RUN_DIR": str(site / f"node{i}" / "run"),  # one machine, three nodes
@@ -123,7 +126,7 @@ def test_a_job_on_three_nodes_mirrors_and_its_rerun_finds_its_checkpoint(site: P
     secret = hmac.new(b"the cluster's own secret, 32 bytes or so", b"ckptfs-slurm-job:4242",
                       hashlib.sha256).hexdigest()  # fmt: skip
     for i, env in enumerate(envs):
-        run = site / f"node{i}" / "slurm" / "4242"
+        run = site / f"node{i}" / "run" / "slurm" / "4242"
         assert (run / "secret").read_text().strip() == secret
         assert (run / "secret").stat().st_mode & 0o077 == 0 and run.stat().st_mode & 0o077 == 0
         s = stat(env)
@@ -152,7 +155,7 @@ def test_a_job_on_three_nodes_mirrors_and_its_rerun_finds_its_checkpoint(site: P
         script("slurm-epilog.sh", env)
     for i in range(3):
         assert not is_mounted(site / f"node{i}" / "ckpt" / "4242")
-        assert not (site / f"node{i}" / "slurm" / "4242").exists()
+        assert not (site / f"node{i}" / "run" / "slurm" / "4242").exists()
         assert not (site / f"node{i}" / "ckpt" / "by-name" / "nobody" / JOB_NAME).is_symlink()
         assert not (cache_root(site, i) / "4242").exists()
     # The same run submitted again, as job 4243 on one node: same path, and
@@ -160,7 +163,43 @@ def test_a_job_on_three_nodes_mirrors_and_its_rerun_finds_its_checkpoint(site: P
     rerun = node_env(site, 0, 4243, NODES[:1])
     script("slurm-prolog.sh", rerun)
     assert run_as(USER, USER, READ, str(link / "step-100.pt")) == digest
-    assert not (site / "node0" / "slurm" / "4243").exists()
+    assert not (site / "node0" / "run" / "slurm" / "4243").exists()
     assert stat(rerun)["peers"] == [] and stat(rerun)["durability"] == "local"
     script("slurm-epilog.sh", rerun)
     assert not is_mounted(site / "node0" / "ckpt" / "4243")
+
+
+def test_fields_a_user_can_shape_do_not_choose_the_nodes_or_the_path(site: Path) -> None:
+    """scontrol's one-line output holds fields the job's user chose (its
+    name, comment, paths): a name with a space or one that smuggles in
+    another field is not used, and a node name that is not one is refused."""
+    common = DEPLOY / "slurm-common.sh"
+
+    def field(line: str, key: str) -> tuple[int, str]:
+        fake = site / "scontrol-field"
+        fake.write_text(f"#!/bin/bash\necho {json.dumps(line)}\n")
+        fake.chmod(0o755)
+        done = subprocess.run(
+            ["bash", "-c", f". {common}; scontrol_job {key}"],
+            env={**os.environ, "SLURM_JOB_ID": "7", "CKPTFS_SLURM_SCONTROL": str(fake)},
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        return done.returncode, done.stdout.strip()
+
+    real = "JobId=7 JobName=run1 UserId=a(1) Comment=x NodeList=gpu[1-2] WorkDir=/w"
+    assert field(real, "JobName") == (0, "run1")
+    assert field(real, "NodeList") == (0, "gpu[1-2]")
+    smuggled = "JobId=7 JobName=x NodeList=evil[1-9] UserId=a(1) NodeList=gpu[1-2] WorkDir=/w"
+    assert field(smuggled, "NodeList")[0] != 0
+    spaced = "JobId=7 JobName=my run UserId=a(1) NodeList=gpu1"
+    assert field(spaced, "JobName")[0] != 0
+    # A node list with a name that is not a node name: the prolog refuses.
+    (site / "cluster.secret").write_text("s" * 32)
+    (site / "cluster.secret").chmod(0o600)
+    (site / "scontrol").write_text(FAKE_SCONTROL)
+    (site / "scontrol").chmod(0o755)
+    env = node_env(site, 0, 77, ["127.0.0.1", "x':{evil"])
+    done = subprocess.run(["bash", str(DEPLOY / "slurm-prolog.sh")], env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 1 and "bad node name" in done.stderr, done.stderr
+    assert not is_mounted(site / "node0" / "ckpt" / "77")

@@ -179,6 +179,7 @@ def test_a_users_idle_connections_leave_root_owners_and_other_users_served() -> 
         # The flooding user itself is told why, at once.
         reply, seconds = ask_as(path, USER)
         assert reply.get("busy") is True and seconds < 2.0, (reply, seconds)
+        assert reply["version"] == __version__  # no false "older daemon" note
         assert f"uid {USER}" in reply["error"], reply
 
 

@@ -112,3 +112,35 @@ def test_a_symlink_in_the_history_directory_is_not_followed(mounts, tmp_path: Pa
     lines = json.loads(m.cli("history", str(m.mnt), "--json").stdout)
     assert [x["path"] for x in lines] == ["a.pt"]
     assert "evil.csv" in m.log()
+
+
+def test_crafted_history_files_are_skipped_and_the_rest_is_shown(mounts) -> None:  # type: ignore[no-untyped-def]
+    """The store's history files are written by other nodes: a field too
+    long for csv, a FIFO (never opened, so never waited on), a name that
+    only looks like a set-aside file, lines that do not parse."""
+    m = mounts()
+    m.mount("--node", "n1")
+    (m.mnt / "a.pt").write_bytes(b"x" * 10)
+    m.wait_durable()
+    history = m.backing / ".ckptfs" / "history"
+    wait_for(lambda: (history / "n1.csv").exists(), 30, "history")
+    header = "time,path,size,close_s,mirrored_s,durable_s,throughput_MBps,uid\n"
+    (history / "n9.csv").write_text(header + f"2026-12-01T00:00:00+00:00,{'y' * 200_000},1,,,,,0\n")
+    os.mkfifo(history / "fifo.csv")
+    (history / "old-x.csv").write_text(
+        header
+        + "2026-12-01T00:00:00+00:00,from/old-x.pt,5,0.1,,0.2,1.0,0\n"
+        + "2026-12-01T00:00:00+00:00,/absolute.pt,5,0.1,,0.2,1.0,0\n"  # not a path in the store
+        + "2026-12-01T00:00:00+00:00,neg.pt,-5,0.1,,0.2,1.0,0\n"
+        + "2026-12-01T00:00:00+00:00,big.pt,"
+        + "9" * 5000
+        + ",0.1,,0.2,1.0,0\n"
+    )
+    m.allowed_log = ["history"]
+    start = time.monotonic()
+    lines = json.loads(m.cli("history", str(m.mnt), "--json").stdout)
+    assert time.monotonic() - start < 30
+    assert [(x["node"], x["path"]) for x in lines] == [("old-x", "from/old-x.pt"), ("n1", "a.pt")]
+    log = m.log()
+    assert "n9.csv: skipped" in log and "fifo.csv: skipped" in log
+    assert "old-x.csv: 3 line(s) that do not parse were skipped" in log

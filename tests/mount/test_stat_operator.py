@@ -355,6 +355,6 @@ def test_the_daemon_logs_json_at_the_level_asked_and_reports_its_version(mounts)
                and "a.bin" in line["message"] for line in lines), lines  # fmt: skip
     assert any(line["message"].startswith("durable: ") and "a.bin" in line["message"]
                for line in lines), lines  # fmt: skip
-    assert any(re.fullmatch(r"saved: a\.bin \(10000 bytes, in this node's RAM, [\d.]+s after "
+    assert any(re.fullmatch(r"saved: 'a\.bin' \(10000 bytes, in this node's RAM, [\d.]+s after "
                             r"its open\)", line["message"]) for line in lines), lines  # fmt: skip
     assert all(line["time"].endswith("+00:00") for line in lines)

@@ -29,3 +29,11 @@ def test_the_table_aligns_numbers_and_says_when_nothing_matches() -> None:
     assert header.startswith("time (UTC)")
     assert row.split("  ")[0] == "2026-12-04 12:00:00"
     assert row.endswith("a b/c.pt") and "3.0 MiB" in row and " - " in row and "12.25s" in row
+
+
+def test_a_name_with_escape_sequences_is_printed_escaped() -> None:
+    line = {"time": "2026-12-04T12:00:00+00:00", "node": "n1", "size": 1, "close_s": None,
+            "mirrored_s": None, "durable_s": None, "path": "a\x1b]0;pwned\x07b\nc.pt"}  # fmt: skip
+    text = table([line])
+    assert "\x1b" not in text and "\x07" not in text and len(text.splitlines()) == 2
+    assert text.endswith("a\\x1b]0;pwned\\x07b\\nc.pt")

@@ -103,7 +103,11 @@ def test_under_journald_only_when_stderr_is_the_stream_systemd_named(
 @pytest.mark.usefixtures("root_logging")
 def test_a_log_file_moved_away_by_logrotate_is_written_again_at_its_path(tmp_path: Path) -> None:
     path = tmp_path / "run" / "m.log"
+    path.parent.mkdir()
+    path.write_text("")  # one an older release made, readable by all
+    path.chmod(0o644)
     logs.setup_logging(path, foreground=False, level="INFO")
+    assert path.stat().st_mode & 0o777 == 0o600
     log = logging.getLogger("ckptfs.test")
     log.debug("below the level")
     log.info("before rotation")
@@ -112,6 +116,8 @@ def test_a_log_file_moved_away_by_logrotate_is_written_again_at_its_path(tmp_pat
     assert "before rotation" in (tmp_path / "m.log.1").read_text()
     text = path.read_text()
     assert "after rotation" in text and "before rotation" not in text
+    # Root's alone, the new file too: the log names every user's files.
+    assert path.stat().st_mode & 0o777 == 0o600
     assert "below the level" not in text + (tmp_path / "m.log.1").read_text()
 
 

@@ -32,6 +32,7 @@ def test_options_become_config_keys_and_mounts_own_are_ignored() -> None:
         (["a", "b", "-o", "peers=x"], "'peers'"),
         (["a", "b", "-o", "allow_other"], "takes key=value"),
         (["a"], "usage"),
+        (["a", "b", "-N", "/proc/1/ns/mnt"], "another mount namespace"),
     ],
 )
 def test_what_it_cannot_do_is_said(argv: list[str], said: str) -> None:

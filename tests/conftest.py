@@ -21,6 +21,7 @@ lifecycle_harness.py and others.
 from __future__ import annotations
 
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,6 +43,16 @@ from waits import wait_for  # noqa: F401
 
 TIERS = ("unit", "harness", "mount", "cluster", "frameworks")
 TESTS = Path(__file__).resolve().parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C as a terminal sends it. pytest-xdist's workers start with
+    SIGINT ignored, and an ignored signal stays ignored across exec: every
+    child a test starts would ignore the Ctrl-C the interrupt tests send it
+    (Python installs no KeyboardInterrupt handler then). A handler, unlike
+    SIG_IGN, is reset to the default at exec."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -129,18 +129,29 @@ class RenameLog:
         self._lock = threading.Lock()  # store calls run in several threads
 
     def records(self, dirs: StoreDirs) -> list[RenameRecord]:
+        """Every record, each parsed once. A record that cannot be read now
+        (EIO: the store failing) raises, after the others are read: without
+        it the rename that moved a file may be missing, and a flusher would
+        take the file for gone and drop it (fault trials, seed 1205, trial
+        56). One removed since the listing is simply not there."""
         dfd = dirs.private(RENAMED)
         names = dirs.names(RENAMED)
+        unread: OSError | None = None
         with self._lock:
             for name in names:
                 if name not in self._parsed and _time_of(name) is not None:
                     try:
                         self._parsed[name] = _read(dfd, name)
+                    except FileNotFoundError:
+                        continue
                     except OSError as exc:  # read again next time: NFS hiccups pass
                         log.warning("rename record %s/%s not read: %s", RENAMED_DIR, name, exc)
+                        unread = unread or exc
             for name in set(self._parsed) - set(names):
                 del self._parsed[name]
             found = [r for r in self._parsed.values() if r is not None]
+        if unread is not None:
+            raise unread
         return sorted(found, key=lambda r: (r.at_ns, r.name))
 
     def follow(self, dirs: StoreDirs, path: str, file_id: str) -> str | None:

@@ -170,3 +170,32 @@ def test_a_store_error_at_a_renamed_path_is_raised_not_taken_for_nothing_there(
     with pytest.raises(OSError) as raised:
         RenameLog().follow(dirs, "a.tmp/shard.pt", "x1")
     assert raised.value.errno == errno.EIO
+
+
+def test_a_rename_record_that_cannot_be_read_fails_the_follow(tmp_path, monkeypatch):
+    """The store fails (EIO) reading a rename record: without that record
+    the rename that moved the file may be unknown, and a flush that took
+    its file for gone would drop it (fault trials, seed 1205, trial 56).
+    The follow raises, for the flush to try again; a record removed since
+    the listing is just not there."""
+    dirs = StoreDirs(tmp_path)
+    (tmp_path / "d.tmp").mkdir()
+    write_store_manifest(tmp_path / "d.tmp" / "s.pt", pending("f1", ["n1"]), backing=tmp_path)
+    rename(dirs, "d.tmp", "d")
+    real_read = renamelog._read
+    failing = {"errno": errno.EIO}
+
+    def read(dfd, name):
+        if failing["errno"] is not None:
+            raise OSError(failing["errno"], os.strerror(failing["errno"]))
+        return real_read(dfd, name)
+
+    monkeypatch.setattr(renamelog, "_read", read)
+    log = RenameLog()
+    with pytest.raises(OSError) as raised:
+        log.follow(dirs, "d.tmp/s.pt", "f1")
+    assert raised.value.errno == errno.EIO
+    failing["errno"] = errno.ENOENT  # removed between the listing and the read
+    assert log.follow(dirs, "d.tmp/s.pt", "f1") is None
+    failing["errno"] = None  # the store answers again: the record leads to the file
+    assert log.follow(dirs, "d.tmp/s.pt", "f1") == "d/s.pt"

@@ -137,8 +137,8 @@ class Progress:
                   file=self.out, flush=True)  # fmt: skip
 
     def _summary(self, first: int | None, elapsed: float, reply: dict[str, Any]) -> None:
-        if not reply.get("ok") or first is None:
-            return
+        if not reply.get("ok") or not first:
+            return  # nothing was left to store: nothing to sum up
         rate = f" ({size(first / elapsed)}/s)" if elapsed > 0 and first else ""
         print(f"{self.what}: {size(first)} stored in {elapsed:.1f}s{rate}",
               file=self.out, flush=True)  # fmt: skip

@@ -92,6 +92,9 @@ def test_off_a_terminal_a_long_flush_logs_lines_then_a_summary(mounts) -> None: 
                         lines[-1]), lines  # fmt: skip
     assert "\r" not in done.stderr and "%|" not in done.stderr
     assert done.stdout.strip() == f"1 file(s) durable under {m.mnt / 'a.pt'}"
+    # Nothing left to store: no progress, no summary, the one result line.
+    again = m.cli("flush", str(m.mnt), "--wait")
+    assert again.stderr == "" and again.stdout.strip().endswith(f"durable under {m.mnt}"), again
 
 
 def test_stat_watch_bars_and_the_bytes_left_of_the_files_asked_about(mounts) -> None:  # type: ignore[no-untyped-def]

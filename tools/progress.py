@@ -56,10 +56,6 @@ def left_to_store(reply: dict[str, Any], whole_mount: bool) -> int:
     )
 
 
-def size(n: float) -> str:
-    return human(n)
-
-
 class Progress:
     """Shows the bytes left while ``wait`` (the blocking request) runs."""
 
@@ -133,14 +129,14 @@ class Progress:
             stored = max(0, (first or 0) - left)
             rate = stored / elapsed if elapsed > 0 else 0.0
             eta = f", about {left / rate:.0f}s left" if rate > 0 and left else ""
-            print(f"{self.what}: {size(left)} left to store, {size(rate)}/s{eta}",
+            print(f"{self.what}: {human(left)} left to store, {human(rate)}/s{eta}",
                   file=self.out, flush=True)  # fmt: skip
 
     def _summary(self, first: int | None, elapsed: float, reply: dict[str, Any]) -> None:
         if not reply.get("ok") or not first:
             return  # nothing was left to store: nothing to sum up
-        rate = f" ({size(first / elapsed)}/s)" if elapsed > 0 and first else ""
-        print(f"{self.what}: {size(first)} stored in {elapsed:.1f}s{rate}",
+        rate = f" ({human(first / elapsed)}/s)" if elapsed > 0 and first else ""
+        print(f"{self.what}: {human(first)} stored in {elapsed:.1f}s{rate}",
               file=self.out, flush=True)  # fmt: skip
 
 
@@ -161,7 +157,7 @@ def bars(files: Iterable[dict[str, Any]], width: int = 80) -> list[str]:
     lines = []
     for f in files:
         if f["state"] == "dirty" and f.get("mirror") == "streaming":
-            lines.append(f"mirroring {shown(f['path'])}: {size(f['size'])} to the buddy")
+            lines.append(f"mirroring {shown(f['path'])}: {human(f['size'])} to the buddy")
             continue
         if f["state"] != "flushing":
             continue

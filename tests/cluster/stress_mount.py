@@ -32,13 +32,15 @@ import os
 import pickle
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
+from ports import free_port  # noqa: E402
 
 UID = 65534
 WRITERS, READERS, NAMES = 3, 2, 4
@@ -83,12 +85,6 @@ class Cluster:
     def detach_all(self) -> None:
         for m in self.mnt.values():
             subprocess.run(["fusermount3", "-u", "-z", str(m)], capture_output=True, timeout=30)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def digest(data: bytes) -> str:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import socket
 import subprocess
 import threading
 import time
@@ -240,20 +238,6 @@ def flood(port: int, source: str, count: int, stop: threading.Event) -> int:
     return opened
 
 
-def port_below_ephemeral() -> int:
-    """A free port under the ephemeral range: the flood's thousands of
-    connections take ephemeral ports, and one could take a node's."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for port in random.sample(range(max(1024, low - 8000), low), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-            return port
-    raise AssertionError("no free port below the ephemeral range")
-
-
 def cut_connections(source: str, dest: str, port: int) -> None:
     """Abort every TCP connection from ``source`` to ``dest``:``port`` (ss -K)."""
     subprocess.run(["ss", "-K", "src", source, "dst", dest, "dport", "=", str(port)],
@@ -265,7 +249,7 @@ def test_a_flood_of_silent_connections_from_a_nodes_address_kills_no_heartbeat(m
     renewed as they are closed, from before the nodes start: they connect
     to each other all the same, again each time their connections are cut,
     and nobody is declared dead."""
-    ports = {"n1": port_below_ephemeral(), "n2": port_below_ephemeral()}
+    ports = {"n1": free_port(), "n2": free_port()}
     path, _ = cluster(tmp_path, ports)
     n1, n2 = mounts("n1"), mounts("n2")
     stop = threading.Event()

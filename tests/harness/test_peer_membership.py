@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from ckptfs.peer.config import (
 )
 from ckptfs.peer.membership.membership import HEARTBEAT, Membership, Status
 from ckptfs.peer.transport.transport import Request, Response, serve
+from ports import free_ports
 from waits import run_bounded, until
 
 SECRET = b"membership-test-secret-0123456789"
@@ -231,18 +231,6 @@ def test_tls_contexts(secret: Path, tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ membership
-
-
-def free_ports(n: int) -> list[int]:
-    """Ports the kernel just handed out; the servers bind them right after."""
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def cluster(names: list[str], ports: list[int]) -> dict[str, str]:

@@ -9,7 +9,6 @@ import io
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ from typing import Any
 
 from ckptfs.tools import cli
 from ckptfs.tools.control import ControlError, find_mount, request
+from ports import free_port  # noqa: F401  (tests import it from here)
 from waits import wait_for
 
 FUSERMOUNT = "fusermount3"
@@ -29,13 +29,6 @@ FUSERMOUNT = "fusermount3"
 def is_mounted(path: Path) -> bool:
     with open("/proc/self/mounts") as mounts:
         return any(line.split()[1] == str(path) for line in mounts)
-
-
-def free_port() -> int:
-    """A loopback TCP port free now (a peer's, a rendezvous')."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def process_gone(pid: int) -> bool:

@@ -275,6 +275,13 @@ def operator_lines(s: dict[str, Any], verbose: bool) -> list[str]:
     mirrored = mirrored_text(s.get("mirroring") or {})
     if mirrored:
         lines.append(row("mirrored", mirrored))
+    unconfirmed = s["cache"].get("unconfirmed", 0)
+    if unconfirmed:
+        text = (
+            f"{count(unconfirmed, 'file')} kept from before a crash: the store did not "
+            "answer for its manifest; asked again until it does"
+        )
+        lines.append(row("unconfirmed", text))
     lines += taken_over_lines(s, verbose)
     lines += lost_lines(s, verbose)
     lines += recent_lines(s, verbose)

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import trio
-from ckptfs.fs.cache.journal import Journal, chunks_of
+from ckptfs.fs.cache.journal import Journal, Key, chunks_of
 from ckptfs.fs.cache.lifecycle import Lifecycle
 from ckptfs.fs.cache.memory import Memory
 from ckptfs.fs.cache.mirrors import Mirroring
@@ -93,6 +93,10 @@ class Cache(Lifecycle, Mirroring, Memory, Reading, Writing):
         )
         # The current content of every file id this node knows of.
         self.files: dict[str, CachedFile] = {}
+        # Journal records of a crashed daemon that recovery could not check
+        # against the store (recovery.py): their slots are held until each
+        # is adopted (confirm) or found stale (discard_unconfirmed).
+        self.unconfirmed: dict[Key, dict[str, Any]] = {}
         # Content that no name refers to any more but is still held: open
         # handles of an unlinked or replaced file, or a version being
         # rewritten that still owes the backing store (a fork, see truncate).
@@ -244,6 +248,16 @@ class Cache(Lifecycle, Mirroring, Memory, Reading, Writing):
     def load(self, m: Manifest, path: str, uid: int, gid: int) -> CachedFile:
         """The cached file for the manifest at ``path`` (close-to-open: the
         manifest wins unless our copy is newer than what it names)."""
+        if (
+            m.state == "pending"
+            and (m.file_id, m.version) in self.unconfirmed
+            and (not m.holders or m.holders[0] == self.node)
+        ):
+            # A crashed daemon's version that recovery could not check: this
+            # manifest, just read, confirms it. Its bytes are in our slots.
+            f = self.confirm((m.file_id, m.version), m, path)
+            log.info("recovered %s (%d bytes) from the cache; flushing it", path, f.size)
+            return f
         f = self.files.get(m.file_id)
         if (
             f is not None
@@ -356,6 +370,21 @@ class Cache(Lifecycle, Mirroring, Memory, Reading, Writing):
         f.base = ChunkMap.of(chunks_of(record["base"]), record["base_end"])
         self._register(f)
         return f
+
+    def confirm(self, key: Key, m: Manifest, path: str) -> CachedFile:
+        """Adopt the unconfirmed record ``key``: ``m`` at ``path`` names it pending."""
+        record = self.unconfirmed.pop(key)
+        record["path"] = path
+        f = self.adopt(record, m.holders)
+        self.on_pending(f)
+        return f
+
+    async def discard_unconfirmed(self, key: Key) -> None:
+        """The unconfirmed record ``key`` is stale: its slots go back."""
+        record = self.unconfirmed.pop(key)
+        await self.journal.drop(key)  # first: the record may not outlive its bytes
+        for entry in record["dirty"].values():
+            self.arena.release(int(entry[0]))
 
     def drop(self, f: CachedFile) -> None:
         """Forget content nobody needs any more; its slots go back to the arena."""
@@ -552,6 +581,7 @@ class Cache(Lifecycle, Mirroring, Memory, Reading, Writing):
             "page_size": self.page_size,
             "frames": self.frames.slots_held * self.page_size,
             "waiting_writers": self.waiting_writers,
+            "unconfirmed": len(self.unconfirmed),
             "backpressure_events": self.backpressure_events,
             "backpressure_seconds": round(self.backpressure_seconds, 3),
             "evicted_bytes": self.evicted_bytes,

@@ -5,38 +5,74 @@ not made durable, which arena slots hold its bytes. A record is adopted only
 if the manifest at its path (or, for a record a rename rewrote just before
 renaming, at the path it had: ``renamed_from``) still names its file id and
 version as pending (or the path renames recorded by other nodes moved it
-to, renamelog.py): then nothing changed those slots (a change drops the record first), and the
-file is queued for flushing as if it had just been closed. Every other record
-is stale (the version became durable, was replaced or removed) and is deleted.
-Manifests are read through the backing-store runner, so a hung NFS server
-delays the mount by the backing timeout, not forever.
+to, renamelog.py): then nothing changed those slots (a change drops the
+record first), and the file is queued for flushing as if it had just been
+closed. A record whose manifest says otherwise is stale (the version became
+durable, was replaced or removed) and is deleted.
+
+A record the store cannot answer for (EIO, a hung NFS server: the manifest
+or a rename record unreadable) is neither: deleting it would lose a closed
+file whose only copy is in this arena. It is kept, with its slots, as
+*unconfirmed* (``Cache.unconfirmed``); the mount comes up all the same, and
+``confirm_later`` asks the store again with a growing pause until each is
+adopted or found stale. A lookup that reads the manifest meanwhile adopts it
+at once (``Cache.load``). Manifests are read through the backing-store
+runner, so a hung store delays the mount by the backing timeout, not forever.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 from typing import Any
 
+import trio
 from ckptfs.fs.cache.cache import Cache
-from ckptfs.fs.cache.journal import Journal
-from ckptfs.fs.content.arena import Arena
+from ckptfs.fs.cache.journal import Key
 from ckptfs.fs.store.backing import Backing
+from ckptfs.fs.store.blocking import BackingTimeout
 from ckptfs.fs.store.manifest import Manifest
 
 log = logging.getLogger("ckptfs.recovery")
+# Errors that say the store did not answer, not what is at a path: the
+# record is kept to be checked again. Anything else at a path (nothing, a
+# directory, a symlink, a file that is no valid manifest; a user can put
+# those there) decides that the record's version is not there.
+STORE_FAILING = frozenset(
+    {
+        errno.EIO, errno.ETIMEDOUT, errno.ESTALE, errno.ENOTCONN, errno.EHOSTDOWN,
+        errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ECONNRESET, errno.ECONNREFUSED,
+        errno.EAGAIN, errno.EINTR, errno.ENOMEM, errno.ENFILE, errno.EMFILE, errno.ENOLCK,
+    }
+)  # fmt: skip
+# Pauses between looks at the unconfirmed records: from the first to the last.
+CONFIRM_PAUSES = (2.0, 60.0)
+
+
+class Undecided(Exception):
+    """The store did not answer for a record (its cause in ``args[0]``)."""
+
+
+def _store_failing(exc: OSError) -> bool:
+    return isinstance(exc, BackingTimeout) or exc.errno in STORE_FAILING
 
 
 def _slots(record: dict[str, Any]) -> set[int]:
     return {int(entry[0]) for entry in record["dirty"].values()}
 
 
-async def _pending_at(backing: Backing, path: str, key: tuple[str, str]) -> Manifest | None:
+async def _pending_at(backing: Backing, path: str, key: Key) -> Manifest | None:
     """The manifest at ``path`` if it names version ``key`` as pending."""
     try:
         manifest = await backing.manifest(path)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        if _store_failing(exc):
+            raise Undecided(f"cannot read the manifest of {path}: {exc}") from None
+        log.error("cannot read the manifest of %s to recover it: %s", path, exc)
+        return None
+    except ValueError as exc:
         log.error("cannot read the manifest of %s to recover it: %s", path, exc)
         return None
     if manifest is None or (manifest.file_id, manifest.version) != key:
@@ -44,51 +80,100 @@ async def _pending_at(backing: Backing, path: str, key: tuple[str, str]) -> Mani
     return manifest if manifest.state == "pending" else None
 
 
+async def locate(backing: Backing, record: dict[str, Any]) -> tuple[Manifest | None, str]:
+    """The pending manifest of ``record``'s version (None if there is none)
+    and its path: the record's, the one before a rename the crash cut short,
+    or where other nodes' renames moved it. Raises Undecided if the store
+    did not answer."""
+    key = (record.get("file_id", "?"), record.get("version", "?"))
+    path = record.get("path", "?")
+    tried = [path]
+    manifest = await _pending_at(backing, path, key)
+    if manifest is None and isinstance(record.get("renamed_from"), str):
+        # The daemon died between rewriting the record and the rename.
+        tried.append(record["renamed_from"])
+        path = record["renamed_from"]
+        manifest = await _pending_at(backing, path, key)
+    for start in tried if manifest is None else []:
+        # Renamed by another node (meanwhile, or while this one was down).
+        try:
+            moved = await backing.renamed_to(start, key[0])
+        except OSError as exc:
+            if _store_failing(exc):
+                raise Undecided(f"cannot follow the renames of {start}: {exc}") from None
+            log.error("cannot follow the renames of %s to recover it: %s", start, exc)
+            moved = None
+        if moved is not None:
+            manifest = await _pending_at(backing, moved, key)
+            if manifest is not None:
+                return manifest, moved
+    return manifest, path
+
+
 def _own(manifest: Manifest, node: str) -> bool:
-    # A daemon from before 2bee09f journaled other nodes' files it renamed:
-    # adopting one (no bytes here) would flush zeros for it.
+    # Only a file this node wrote has its bytes here: adopting another
+    # node's (a record of a rename of it) would flush zeros for it.
     return not manifest.holders or manifest.holders[0] == node
 
 
-async def recover(cache: Cache, journal: Journal, backing: Backing, arena: Arena) -> int:
-    """Adopt what can be adopted; returns the number of files recovered."""
+async def recover(cache: Cache, backing: Backing) -> int:
+    """Adopt what can be adopted, keep what the store cannot answer for as
+    unconfirmed; returns the number of files recovered."""
+    journal, arena = cache.journal, cache.arena
     records = await journal.run_sync(journal.load)
     claimed: set[int] = set()
     adopted = 0
     for record in records:
         key = (record.get("file_id", "?"), record.get("version", "?"))
-        path = record.get("path", "?")
-        tried = [path]
-        manifest = await _pending_at(backing, path, key)
-        if manifest is None and isinstance(record.get("renamed_from"), str):
-            # The daemon died between rewriting the record and the rename.
-            tried.append(record["renamed_from"])
-            path = record["path"] = record["renamed_from"]
-            manifest = await _pending_at(backing, path, key)
-        for start in tried if manifest is None else []:
-            # Renamed by another node (meanwhile, or while this one was down).
-            try:
-                moved = await backing.renamed_to(start, key[0])
-            except OSError as exc:
-                log.error("cannot follow the renames of %s to recover it: %s", start, exc)
-                moved = None
-            if moved is not None:
-                manifest = await _pending_at(backing, moved, key)
-                if manifest is not None:
-                    path = record["path"] = moved
-                    break
         slots = _slots(record)
+        if slots & claimed or max(slots, default=-1) >= arena.nslots:
+            await journal.run_sync(journal.remove_now, key)
+            continue
+        try:
+            manifest, record["path"] = await locate(backing, record)
+        except Undecided as why:
+            log.error(
+                "%s (%d bytes) is kept in the cache unconfirmed, to be checked again: %s",
+                record.get("path"), record.get("size", 0), why,
+            )  # fmt: skip
+            claimed |= slots
+            cache.unconfirmed[key] = record
+            continue
         if manifest is not None and not _own(manifest, cache.node):
-            log.warning("not recovering %s: written by %s, not this node", path,
+            log.warning("not recovering %s: written by %s, not this node", record["path"],
                         manifest.holders[0])  # fmt: skip
             manifest = None
-        if manifest is None or slots & claimed or max(slots, default=-1) >= arena.nslots:
+        if manifest is None:
             await journal.run_sync(journal.remove_now, key)
             continue
         claimed |= slots
         f = cache.adopt(record, manifest.holders)
         cache.on_pending(f)
         adopted += 1
-        log.info("recovered %s (%d bytes) from the cache; flushing it", path, f.size)
+        log.info("recovered %s (%d bytes) from the cache; flushing it", f.path, f.size)
     arena.claim(claimed)
     return adopted
+
+
+async def confirm_later(cache: Cache, backing: Backing) -> None:
+    """Ask the store about the unconfirmed records until none is left
+    (adopted, here or by a lookup, or found stale). Runs for the mount."""
+    pause = CONFIRM_PAUSES[0]
+    while cache.unconfirmed:
+        await trio.sleep(pause)
+        pause = min(pause * 2, CONFIRM_PAUSES[1])
+        for key, record in list(cache.unconfirmed.items()):
+            try:
+                manifest, path = await locate(backing, record)
+            except Undecided as why:
+                log.warning("%s still unconfirmed: %s", record.get("path"), why)
+                continue
+            # Decided after an await: a lookup may have adopted it meanwhile.
+            if cache.unconfirmed.get(key) is not record:
+                continue
+            if manifest is not None and _own(manifest, cache.node):
+                f = cache.confirm(key, manifest, path)
+                log.info("recovered %s (%d bytes) once the store answered; flushing it",
+                         f.path, f.size)  # fmt: skip
+            else:
+                await cache.discard_unconfirmed(key)

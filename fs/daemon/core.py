@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 from ckptfs.fs.cache.cache import Cache
 from ckptfs.fs.cache.journal import Journal, ThreadRunner
-from ckptfs.fs.cache.recovery import recover
+from ckptfs.fs.cache.recovery import confirm_later, recover
 from ckptfs.fs.config import Config
 from ckptfs.fs.content.arena import SLOT_SIZE, Arena
 from ckptfs.fs.content.cachedfile import CachedFile
@@ -113,7 +113,8 @@ class Core:
 
     async def start(self, nursery: trio.Nursery, *, prefault: bool = True) -> None:
         """Adopt what a crashed daemon left, then start the background tasks."""
-        self.recovered = await recover(self.cache, self.journal, self.backing, self.arena)
+        self.recovered = await recover(self.cache, self.backing)
+        nursery.start_soon(confirm_later, self.cache, self.backing)
         await nursery.start(self.flusher.run)
         nursery.start_soon(self.cache.run_spiller)
         nursery.start_soon(self.journal.run)
@@ -171,6 +172,7 @@ class Core:
             not any(f.modified or f.owes_flush for f in self.cache.all_files() if not f.unlinked)
             and not self.taken_over("")
             and not self.cache.takeover_running
+            and not self.cache.unconfirmed
         )
 
     def not_durable(self) -> list[tuple[str, int]]:
@@ -179,7 +181,8 @@ class Core:
         owed = [
             f for f in self.cache.all_files() if not f.unlinked and (f.modified or f.owes_flush)
         ]
-        return [(f.path, f.uid) for f in [*owed, *self.taken_over("")]]
+        unconfirmed = [(r["path"], r.get("uid", 0)) for r in self.cache.unconfirmed.values()]
+        return [(f.path, f.uid) for f in [*owed, *self.taken_over("")]] + unconfirmed
 
     def taken_over(self, prefix: str) -> list[CachedFile]:
         """Dead buddies' files under ``prefix`` that this node took over and
@@ -224,6 +227,11 @@ class Core:
         failed += [f.path for f in self.taken_over(prefix) if f not in pending]
         if self.cache.takeover_running:
             failed.append("(a takeover from a dead buddy under way)")
+        failed += [
+            f"{r['path']} (recovered from a crash, not yet confirmed by the store)"
+            for r in self.cache.unconfirmed.values()
+            if in_subtree(r["path"], prefix)
+        ]
         return {
             "ok": not failed,
             "files": len(pending),

@@ -127,6 +127,12 @@ class Daemon:
                         self.config.durability,
                         f", {core.recovered} file(s) recovered" if core.recovered else "",
                     )
+                    if core.cache.unconfirmed:
+                        log.warning(
+                            "%d file(s) from before a crash kept in the cache unconfirmed: "
+                            "the store did not answer for them; asking again",
+                            len(core.cache.unconfirmed),
+                        )
                     nursery.start_soon(self._tell_systemd_when_mounted)
                     await self.session.run()
                     clean = core.all_durable()
@@ -270,12 +276,20 @@ class Daemon:
             sdnotify.notify("READY=1", f"STATUS=mounted {self.mountpoint} over "
                             f"{self.core.backing_root}", f"MAINPID={os.getpid()}")  # fmt: skip
 
-        try:
-            with trio.fail_after(READY_TIMEOUT):
-                await trio.to_thread.run_sync(stat_then_notify, abandon_on_cancel=True)
-        except (OSError, trio.TooSlowError) as exc:
-            # systemd times the start out (TimeoutStartSec) and says so.
-            log.error("the mount did not answer a stat of %s: %s", self.mountpoint, exc)
+        last: Exception | None = None
+        with trio.move_on_after(READY_TIMEOUT):
+            while True:
+                try:
+                    await trio.to_thread.run_sync(stat_then_notify, abandon_on_cancel=True)
+                    return
+                except OSError as exc:
+                    # A store marked down (a hung call at recovery) fails the
+                    # root's stat for a few seconds: ask again.
+                    last = exc
+                await trio.sleep(1)
+        # systemd times the start out (TimeoutStartSec) and says so.
+        log.error("the mount did not answer a stat of %s: %s", self.mountpoint, last or
+                  f"no answer within {READY_TIMEOUT:g}s")  # fmt: skip
 
     async def _history(self, req: dict[str, Any], peer: control.Peer) -> dict[str, Any]:
         """``ckptfs history``: lines of every node (fs/store/history.py), a

@@ -156,6 +156,8 @@ def stat_metrics(s: dict[str, Any]) -> Iterator[Any]:
     yield _gauge("ckptfs_cache_used_bytes", "RAM cache in use", cache["used"])
     yield _gauge("ckptfs_writers_waiting", "Writers held back now for want of RAM",
                  cache["waiting_writers"])  # fmt: skip
+    yield _gauge("ckptfs_unconfirmed_files", "Files kept from before a crash that the store "
+                 "has not answered for yet", cache.get("unconfirmed", 0))  # fmt: skip
     yield _counter("ckptfs_backpressure_seconds", "Time writers were held back for want of RAM",
                    cache["backpressure_seconds"])  # fmt: skip
     yield _counter("ckptfs_backpressure_events", "Writes held back for want of RAM",

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,8 +23,10 @@ import pytest
 import torch
 from ckptfs.fs.store.chunkstore import ChunkStore, chunk_hash
 from ckptfs.fs.store.manifest import Chunk, Manifest, new_id, read_manifest
+from countingfs import CountingMount, counting_mount
 from data import rand
 from manifests import write_store_manifest
+from mounts import Mount
 from tensors import assert_same, state_dict
 from waits import wait_for
 
@@ -212,32 +215,93 @@ def test_an_older_version_that_landed_over_a_newer_one_is_published_again(mounts
     assert (m.mnt / "x.bin").read_bytes() == newer
 
 
-def test_recovery_reads_the_backing_store_off_the_loop_with_a_timeout(mounts):
-    """A crashed daemon left a pending file; the new daemon's read of its
-    manifest hangs (a dead NFS server, here a FIFO): the mount must still come up."""
-    m = mounts()
+@pytest.fixture
+def failing_store(tmp_path: Path) -> Iterator[CountingMount]:
+    """The backing directory of ``mounts`` (``tmp_path/backing``) through a
+    stand-in store whose faults a test injects. Set up before ``mounts``,
+    so it is unmounted after every daemon."""
+    with counting_mount(tmp_path / "backing-real", tmp_path / "backing", faults=True) as store:
+        yield store
+
+
+def crash_with_a_pending_file(m: Mount, seed: int) -> bytes:
+    """A file written and closed, still pending (a slow flush), then the
+    daemon killed: its only copy is in the cache, listed by the journal."""
     m.mount(env={"CKPTFS_FLUSH_BANDWIDTH": "256KiB"})
-    (m.mnt / "x.bin").write_bytes(rand(8 * MiB, 7))
+    data = rand(8 * MiB, seed)
+    (m.mnt / "x.bin").write_bytes(data)
     m.kill()
-    (m.backing / "x.bin").unlink()
-    os.mkfifo(m.backing / "x.bin")
-    m.allowed_log = [
-        "did not answer within",
-        "health",
-        "cannot read the manifest",
-        "backing store is down",
-    ]
-    try:
-        start = time.monotonic()
-        m.mount(env={"CKPTFS_BACKING_TIMEOUT": "2"})
-        assert time.monotonic() - start < 30
-    finally:
-        _release_fifo_readers(m.backing / "x.bin")
-    (m.backing / "x.bin").unlink()
-    # One hung call marks the store down for a few seconds (requests fail fast
-    # instead of piling up); then it is probed again and the mount serves.
-    wait_for(lambda: _writes(m.mnt / "y.bin", b"alive"), 30, "the store to be probed again")
-    assert (m.mnt / "y.bin").read_bytes() == b"alive"
+    assert read_manifest(m.backing / "x.bin").state == "pending"
+    return data
+
+
+def same(path: Path, data: bytes) -> bool:
+    return hashlib.sha256(path.read_bytes()).digest() == hashlib.sha256(data).digest()
+
+
+def test_a_crashed_daemons_file_is_kept_while_the_store_hangs_and_flushed_once_it_answers(
+    failing_store, mounts
+):
+    """The store hangs on reads when a crashed daemon's successor mounts:
+    its recovery gives up on the manifest after the backing timeout, off
+    the loop, and the mount comes up; the file is kept (neither adopted nor
+    thrown away), and once the store answers it is flushed, whole."""
+    m = mounts()
+    data = crash_with_a_pending_file(m, 7)
+    m.allowed_log = ["did not answer within", "health", "unconfirmed", "backing store is down"]
+    failing_store.inject("stall-files")
+    start = time.monotonic()
+    m.mount(env={"CKPTFS_BACKING_TIMEOUT": "2"})
+    assert time.monotonic() - start < 30
+    s = m.stat()
+    assert s["cache"]["unconfirmed"] == 1 and s["cache"]["used"] >= 8 * MiB
+    assert "1 file kept from before a crash" in m.cli("stat", str(m.mnt)).stdout
+    failing_store.inject("ok")
+    wait_for(lambda: m.stat()["cache"]["unconfirmed"] == 0, 90, "the file adopted")
+    m.wait_durable()
+    assert read_manifest(m.backing / "x.bin").state == "durable"
+    assert "recovered x.bin (8388608 bytes) once the store answered" in m.log()
+    m.umount()
+    m.mount()
+    assert same(m.mnt / "x.bin", data)
+
+
+def test_a_crashed_daemons_file_the_store_failed_to_read_is_adopted_at_its_lookup(
+    failing_store, mounts
+):
+    """EIO on the manifest at mount keeps the file; the first lookup that
+    reads the manifest, once the store answers, adopts it there and then:
+    the reader gets the bytes from the cache, not a "lost" error."""
+    m = mounts()
+    data = crash_with_a_pending_file(m, 9)
+    m.allowed_log = ["unconfirmed", "health", "Input/output error"]
+    failing_store.inject("eio-files")
+    m.mount()
+    assert m.stat()["cache"]["unconfirmed"] == 1
+    failing_store.inject("ok")
+    assert same(m.mnt / "x.bin", data)
+    assert m.stat()["cache"]["unconfirmed"] == 0
+    m.wait_durable()
+    m.umount()
+    m.mount()
+    assert same(m.mnt / "x.bin", data)
+
+
+def test_a_kept_file_replaced_while_the_store_failed_is_let_go(failing_store, mounts):
+    """While the store failed, another node removed the file: once the store
+    answers, the kept version is found gone and its RAM goes back."""
+    m = mounts()
+    crash_with_a_pending_file(m, 11)
+    m.allowed_log = ["unconfirmed", "health", "Input/output error"]
+    failing_store.inject("eio-files")
+    m.mount()
+    assert m.stat()["cache"]["unconfirmed"] == 1
+    (failing_store.real / "x.bin").unlink()
+    failing_store.inject("ok")
+    wait_for(lambda: m.stat()["cache"]["unconfirmed"] == 0, 90, "the record found stale")
+    wait_for(lambda: m.stat()["cache"]["used"] < 8 * MiB, 10, "its slots released")
+    assert not (m.mnt / "x.bin").exists()
+    m.umount()
 
 
 def _writes(path: Path, data: bytes) -> bool:
@@ -246,14 +310,6 @@ def _writes(path: Path, data: bytes) -> bool:
     except OSError:
         return False
     return True
-
-
-def _release_fifo_readers(fifo: Path) -> None:
-    """A writer that opens and closes lets a blocked open for reading return."""
-    try:
-        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-    except OSError:
-        pass  # nobody is waiting on it
 
 
 def test_ls_and_stat_answer_while_32_writers_wait_for_space(mounts):

@@ -37,8 +37,9 @@ NFS server does (tests/cluster/faults/, the fault trials): the caller writes
 then on, and ``FILE.ack`` says ``N`` once it does. Modes: ``ok`` (the
 default), ``stall`` (every request waits until the mode changes: a hung
 server), ``enospc`` (whatever would allocate space fails with ENOSPC: a full
-store) and ``eio`` (reads, writes and fsyncs of file contents fail with EIO:
-a failing disk). Without ``--faults`` nothing of this exists.
+store), ``eio`` (reads, writes and fsyncs of file contents fail with EIO:
+a failing disk), and ``stall-files`` and ``eio-files``, which hit only opens
+of files outside the store's own ``.ckptfs``. Without ``--faults`` nothing of this exists.
 
 ``counting_mount`` (below) runs it for a test and always unmounts and stops it.
 """
@@ -120,8 +121,12 @@ class Counters:
 
 # What each request is to the injected faults (--faults): every request
 # waits out a stall; "alloc" requests fail on a full store, "data" requests
-# (and writes) on a failing one.
-FAULT_MODES = ("ok", "stall", "enospc", "eio")
+# (and writes) on a failing one. The "-files" modes hit only opens of the
+# users' files (manifests), not of the store's own (.ckptfs: its key, chunks):
+# a daemon starts, and its reads of manifests hang or fail.
+FAULT_MODES = ("ok", "stall", "enospc", "eio", "stall-files", "eio-files")
+STALLS = ("stall", "stall-files")
+OWN = ".ckptfs"
 ALLOC_OPS = {"create", "mkdir", "mknod", "symlink", "link", "rename", "write"}
 DATA_OPS = {"read", "write", "fsync", "fsyncdir"}
 
@@ -137,9 +142,9 @@ class Faults:
     def set(self, mode: str) -> None:
         if mode not in FAULT_MODES:
             raise ValueError(f"unknown fault mode {mode!r}")
-        if mode == "stall" and self.mode != "stall":
+        if mode in STALLS and self.mode not in STALLS:
             self.resumed = trio.Event()
-        elif mode != "stall":
+        elif mode not in STALLS:
             self.resumed.set()
         self.mode = mode
 
@@ -149,6 +154,15 @@ class Faults:
         if self.mode == "enospc" and op in ALLOC_OPS:
             raise pyfuse3.FUSEError(errno.ENOSPC)
         if self.mode == "eio" and op in DATA_OPS:
+            raise pyfuse3.FUSEError(errno.EIO)
+
+    async def gate_file(self, rel: str) -> None:
+        """An open of ``rel``, in the "-files" modes."""
+        if rel == OWN or rel.startswith(OWN + "/"):
+            return
+        if self.mode == "stall-files":
+            await self.resumed.wait()
+        if self.mode == "eio-files":
             raise pyfuse3.FUSEError(errno.EIO)
 
 
@@ -459,6 +473,7 @@ class CountingFS(pyfuse3.Operations):
     @fuse_errors
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
         node = self._node(inode)
+        await self.faults.gate_file(node.path)
         fd = await self._io(os.open, self._real(node.path), _real_flags(flags))
         return self._opened(inode, fd, node.path)
 

@@ -278,8 +278,8 @@ def operator_lines(s: dict[str, Any], verbose: bool) -> list[str]:
     unconfirmed = s["cache"].get("unconfirmed", 0)
     if unconfirmed:
         text = (
-            f"{count(unconfirmed, 'file')} kept from before a crash: the store did not "
-            "answer for its manifest; asked again until it does"
+            f"{count(unconfirmed, 'file')} kept from before a crash that the store has not "
+            "answered for yet; asked again until it does"
         )
         lines.append(row("unconfirmed", text))
     lines += taken_over_lines(s, verbose)

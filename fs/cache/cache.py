@@ -35,6 +35,7 @@ from ckptfs.fs.cache.memory import Memory
 from ckptfs.fs.cache.mirrors import Mirroring
 from ckptfs.fs.cache.reading import PeerFetch, Reading
 from ckptfs.fs.cache.transitions import move, start
+from ckptfs.fs.cache.unconfirmed import Unconfirmed
 from ckptfs.fs.cache.writing import Writing
 from ckptfs.fs.content.arena import Arena
 from ckptfs.fs.content.cachedfile import CachedFile, ChunkMap, Page
@@ -96,7 +97,7 @@ class Cache(Lifecycle, Mirroring, Memory, Reading, Writing):
         # Journal records of a crashed daemon that recovery could not check
         # against the store (recovery.py): their slots are held until each
         # is adopted (confirm) or found stale (discard_unconfirmed).
-        self.unconfirmed: dict[Key, dict[str, Any]] = {}
+        self.unconfirmed = Unconfirmed()
         # Content that no name refers to any more but is still held: open
         # handles of an unlinked or replaced file, or a version being
         # rewritten that still owes the backing store (a fork, see truncate).
@@ -248,17 +249,21 @@ class Cache(Lifecycle, Mirroring, Memory, Reading, Writing):
     def load(self, m: Manifest, path: str, uid: int, gid: int) -> CachedFile:
         """The cached file for the manifest at ``path`` (close-to-open: the
         manifest wins unless our copy is newer than what it names)."""
+        f = self.files.get(m.file_id)
+        kept = self.unconfirmed.get((m.file_id, m.version)) if m.state == "pending" else None
         if (
-            m.state == "pending"
-            and (m.file_id, m.version) in self.unconfirmed
+            kept is not None
+            and path in (kept.get("path"), kept.get("renamed_from"))
             and (not m.holders or m.holders[0] == self.node)
+            and (f is None or f.role is FileRole.REMOTE)
         ):
             # A crashed daemon's version that recovery could not check: this
-            # manifest, just read, confirms it. Its bytes are in our slots.
-            f = self.confirm((m.file_id, m.version), m, path)
-            log.info("recovered %s (%d bytes) from the cache; flushing it", path, f.size)
+            # manifest, just read at its path, confirms it. Its bytes are in
+            # our slots. (Not over a file of that id being changed here.)
+            f = self.confirm((m.file_id, m.version), m, path, (uid, gid))
+            log.info("recovered %s (%d bytes) from the cache at its open; flushing it",
+                     path, f.size)  # fmt: skip
             return f
-        f = self.files.get(m.file_id)
         if (
             f is not None
             and f.state is FileState.LOST
@@ -371,20 +376,42 @@ class Cache(Lifecycle, Mirroring, Memory, Reading, Writing):
         self._register(f)
         return f
 
-    def confirm(self, key: Key, m: Manifest, path: str) -> CachedFile:
-        """Adopt the unconfirmed record ``key``: ``m`` at ``path`` names it pending."""
-        record = self.unconfirmed.pop(key)
-        record["path"] = path
-        f = self.adopt(record, m.holders)
+    def confirm(
+        self, key: Key, m: Manifest, path: str, owner: tuple[int, int] | None = None
+    ) -> CachedFile:
+        """Adopt the unconfirmed record ``key``: ``m`` at ``path`` names it
+        pending. Its attributes are the manifest's now (a chmod elsewhere
+        while it was kept stays); kept records that share a slot with it
+        are let go: the slot is this version's."""
+        record, _ = self.unconfirmed.pop(key)
+        for dropped in self.unconfirmed.let_go_sharing(record):
+            log.warning("not recovering %s: its cache slots hold %s", dropped.get("path"), path)
+        f = self.adopt({**record, "path": path}, m.holders)
+        f.mode, f.mtime_ns, f.atime_ns = m.mode & 0o7777, m.mtime_ns, m.atime
+        if owner is not None:
+            f.uid, f.gid = owner
         self.on_pending(f)
         return f
 
-    async def discard_unconfirmed(self, key: Key) -> None:
-        """The unconfirmed record ``key`` is stale: its slots go back."""
-        record = self.unconfirmed.pop(key)
+    async def discard_unconfirmed(self, key: Key, why: str) -> None:
+        """The unconfirmed record ``key`` is stale: its slots go back (those
+        no other kept record lists)."""
+        record, free = self.unconfirmed.pop(key)
+        log.info("%s (%d bytes), kept from before a crash, is let go: %s",
+                 record.get("path"), record.get("size", 0), why)  # fmt: skip
+        await self._release_record(key, free)
+
+    async def release_let_go(self) -> None:
+        """Drop the records let go at an adoption, then free their own slots."""
+        while self.unconfirmed.letting_go:
+            key, _, free = self.unconfirmed.letting_go.pop(0)
+            await self._release_record(key, free)
+
+    async def _release_record(self, key: Key, free: set[int]) -> None:
         await self.journal.drop(key)  # first: the record may not outlive its bytes
-        for entry in record["dirty"].values():
-            self.arena.release(int(entry[0]))
+        for slot in free:
+            self.arena.release(slot)
+        self._signal_space()
 
     def drop(self, f: CachedFile) -> None:
         """Forget content nobody needs any more; its slots go back to the arena."""

@@ -13,22 +13,24 @@ durable, was replaced or removed) and is deleted.
 A record the store cannot answer for (EIO, a hung NFS server: the manifest
 or a rename record unreadable) is neither: deleting it would lose a closed
 file whose only copy is in this arena. It is kept, with its slots, as
-*unconfirmed* (``Cache.unconfirmed``); the mount comes up all the same, and
-``confirm_later`` asks the store again with a growing pause until each is
-adopted or found stale. A lookup that reads the manifest meanwhile adopts it
-at once (``Cache.load``). Manifests are read through the backing-store
-runner, so a hung store delays the mount by the backing timeout, not forever.
+*unconfirmed* (unconfirmed.py); the mount comes up all the same, and
+``confirm_later`` asks the store again with a growing pause (or at once, for
+a ``flush --wait``) until each is adopted or found stale. A lookup that
+reads the manifest meanwhile adopts it at once (``Cache.load``). Manifests
+are read through the backing-store runner, so a hung store delays the
+mount by the backing timeout, not forever.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import random
 from typing import Any
 
-import trio
 from ckptfs.fs.cache.cache import Cache
 from ckptfs.fs.cache.journal import Key
+from ckptfs.fs.cache.unconfirmed import slots_of
 from ckptfs.fs.store.backing import Backing
 from ckptfs.fs.store.blocking import BackingTimeout
 from ckptfs.fs.store.manifest import Manifest
@@ -38,11 +40,14 @@ log = logging.getLogger("ckptfs.recovery")
 # record is kept to be checked again. Anything else at a path (nothing, a
 # directory, a symlink, a file that is no valid manifest; a user can put
 # those there) decides that the record's version is not there.
+# (Not EAGAIN: a user's lease on their own manifest gives that, for as long
+# as they like.)
 STORE_FAILING = frozenset(
     {
         errno.EIO, errno.ETIMEDOUT, errno.ESTALE, errno.ENOTCONN, errno.EHOSTDOWN,
-        errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ECONNRESET, errno.ECONNREFUSED,
-        errno.EAGAIN, errno.EINTR, errno.ENOMEM, errno.ENFILE, errno.EMFILE, errno.ENOLCK,
+        errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.ECONNRESET,
+        errno.ECONNREFUSED, errno.ECONNABORTED, errno.ENOLINK, errno.EREMOTEIO, errno.EINTR,
+        errno.ENOMEM, errno.ENFILE, errno.EMFILE, errno.ENOLCK,
     }
 )  # fmt: skip
 # Pauses between looks at the unconfirmed records: from the first to the last.
@@ -55,10 +60,6 @@ class Undecided(Exception):
 
 def _store_failing(exc: OSError) -> bool:
     return isinstance(exc, BackingTimeout) or exc.errno in STORE_FAILING
-
-
-def _slots(record: dict[str, Any]) -> set[int]:
-    return {int(entry[0]) for entry in record["dirty"].values()}
 
 
 async def _pending_at(backing: Backing, path: str, key: Key) -> Manifest | None:
@@ -118,62 +119,91 @@ def _own(manifest: Manifest, node: str) -> bool:
 
 async def recover(cache: Cache, backing: Backing) -> int:
     """Adopt what can be adopted, keep what the store cannot answer for as
-    unconfirmed; returns the number of files recovered."""
+    unconfirmed; returns the number of files recovered.
+
+    Two passes: every record's manifest is looked at first, then the
+    adopted claim their slots, in order, and only then the kept ones, and
+    only slots no adopted record holds. A record may list a slot that a
+    newer record reuses (a durable or replaced version's record is dropped
+    lazily): the record the store confirms owns it, whatever the order."""
     journal, arena = cache.journal, cache.arena
     records = await journal.run_sync(journal.load)
-    claimed: set[int] = set()
-    adopted = 0
+    found: list[tuple[dict[str, Any], Manifest | None, Undecided | None]] = []
     for record in records:
         key = (record.get("file_id", "?"), record.get("version", "?"))
-        slots = _slots(record)
-        if slots & claimed or max(slots, default=-1) >= arena.nslots:
+        if max(slots_of(record), default=-1) >= arena.nslots:
             await journal.run_sync(journal.remove_now, key)
             continue
         try:
             manifest, record["path"] = await locate(backing, record)
         except Undecided as why:
-            log.error(
-                "%s (%d bytes) is kept in the cache unconfirmed, to be checked again: %s",
-                record.get("path"), record.get("size", 0), why,
-            )  # fmt: skip
-            claimed |= slots
-            cache.unconfirmed[key] = record
+            found.append((record, None, why))
             continue
         if manifest is not None and not _own(manifest, cache.node):
             log.warning("not recovering %s: written by %s, not this node", record["path"],
                         manifest.holders[0])  # fmt: skip
             manifest = None
-        if manifest is None:
-            await journal.run_sync(journal.remove_now, key)
+        found.append((record, manifest, None))
+    claimed: set[int] = set()
+    adopted: set[Key] = set()
+    for record, manifest, undecided in found:
+        slots = slots_of(record)
+        if manifest is None or undecided is not None or slots & claimed:
             continue
         claimed |= slots
         f = cache.adopt(record, manifest.holders)
         cache.on_pending(f)
-        adopted += 1
+        adopted.add((f.file_id, f.version))
         log.info("recovered %s (%d bytes) from the cache; flushing it", f.path, f.size)
+    adopted_slots = set(claimed)
+    for record, _, undecided in found:
+        key = (record["file_id"], record["version"])
+        if key in adopted:
+            continue
+        if undecided is not None and not slots_of(record) & adopted_slots:
+            log.error(
+                "%s (%d bytes) is kept in the cache unconfirmed, to be checked again: %s",
+                record.get("path"), record.get("size", 0), undecided,
+            )  # fmt: skip
+            claimed |= slots_of(record)
+            cache.unconfirmed.add(key, record)
+        else:
+            await journal.run_sync(journal.remove_now, key)
     arena.claim(claimed)
-    return adopted
+    return len(adopted)
 
 
 async def confirm_later(cache: Cache, backing: Backing) -> None:
     """Ask the store about the unconfirmed records until none is left
-    (adopted, here or by a lookup, or found stale). Runs for the mount."""
+    (adopted, here or at an open, or found stale). Runs for the mount."""
     pause = CONFIRM_PAUSES[0]
-    while cache.unconfirmed:
-        await trio.sleep(pause)
+    while cache.unconfirmed.busy():
+        await cache.unconfirmed.pause(pause)
         pause = min(pause * 2, CONFIRM_PAUSES[1])
-        for key, record in list(cache.unconfirmed.items()):
+        await cache.release_let_go()
+        kept = cache.unconfirmed.items()
+        random.shuffle(kept)  # one that hangs does not hold the others back each time
+        for key, record in kept:
             try:
-                manifest, path = await locate(backing, record)
-            except Undecided as why:
-                log.warning("%s still unconfirmed: %s", record.get("path"), why)
-                continue
-            # Decided after an await: a lookup may have adopted it meanwhile.
-            if cache.unconfirmed.get(key) is not record:
-                continue
-            if manifest is not None and _own(manifest, cache.node):
-                f = cache.confirm(key, manifest, path)
-                log.info("recovered %s (%d bytes) once the store answered; flushing it",
-                         f.path, f.size)  # fmt: skip
-            else:
-                await cache.discard_unconfirmed(key)
+                await _confirm_one(cache, backing, key, record)
+            except Exception:  # the others, and the mount, go on; it is asked again
+                log.exception("checking %s, kept from before a crash, failed", record.get("path"))
+
+
+async def _confirm_one(cache: Cache, backing: Backing, key: Key, record: dict[str, Any]) -> None:
+    try:
+        manifest, path = await locate(backing, record)
+    except Undecided as why:
+        log.warning("%s still unconfirmed: %s", record.get("path"), why)
+        return
+    # Decided after an await: an open may have adopted it meanwhile, or a
+    # rename here replaced the record (it names the new path).
+    if cache.unconfirmed.get(key) is not record:
+        return
+    if manifest is not None and _own(manifest, cache.node):
+        f = cache.confirm(key, manifest, path)
+        log.info("recovered %s (%d bytes) once the store answered; flushing it", f.path, f.size)
+    elif manifest is not None:
+        await cache.discard_unconfirmed(key, f"written by {manifest.holders[0]}, not this node")
+    else:
+        await cache.discard_unconfirmed(key, "the store no longer names that version pending")

@@ -181,8 +181,9 @@ class Core:
         owed = [
             f for f in self.cache.all_files() if not f.unlinked and (f.modified or f.owes_flush)
         ]
-        unconfirmed = [(r["path"], r.get("uid", 0)) for r in self.cache.unconfirmed.values()]
-        return [(f.path, f.uid) for f in [*owed, *self.taken_over("")]] + unconfirmed
+        return [(f.path, f.uid) for f in [*owed, *self.taken_over("")]] + list(
+            self.cache.unconfirmed.paths()
+        )
 
     def taken_over(self, prefix: str) -> list[CachedFile]:
         """Dead buddies' files under ``prefix`` that this node took over and
@@ -194,6 +195,8 @@ class Core:
         pending: list[CachedFile] = []
         failed: list[str] = []
         with trio.move_on_after(timeout if timeout is not None else float("inf")):
+            # Adopted (then flushed below) or found stale once the store answers.
+            await self.cache.unconfirmed.settled(lambda path: in_subtree(path, prefix))
             for f in self.fs.files_under(prefix):
                 if f.role is not FileRole.LOCAL:
                     continue
@@ -228,9 +231,9 @@ class Core:
         if self.cache.takeover_running:
             failed.append("(a takeover from a dead buddy under way)")
         failed += [
-            f"{r['path']} (recovered from a crash, not yet confirmed by the store)"
-            for r in self.cache.unconfirmed.values()
-            if in_subtree(r["path"], prefix)
+            f"{path} (kept from before a crash; the store has not answered for it)"
+            for path, _ in self.cache.unconfirmed.paths()
+            if in_subtree(path, prefix)
         ]
         return {
             "ok": not failed,

@@ -198,6 +198,32 @@ class RenameMixin:
             record = record_of(self.cache.journal_snapshot(f))
             record["path"], record["renamed_from"] = new + f.path[len(old) :], f.path
             records[key] = record
+        records.update(await self._unconfirmed_renamed(old, new, held))
+        return records
+
+    async def _unconfirmed_renamed(
+        self, old: str, new: str, held: contextlib.AsyncExitStack
+    ) -> dict[tuple[str, str], dict[str, Any]]:
+        """The same for the crashed daemon's versions recovery keeps
+        unconfirmed (fs/cache/unconfirmed.py): no renamelog record follows a
+        rename of this node's own file, so without this their next look
+        would find nothing at the old path and let them go. The kept record
+        is replaced before the rename (a look under way then does not act),
+        by one that names both paths, as the journal's will."""
+        moving = [
+            key for key, r in self.cache.unconfirmed.items() if at_or_under(str(r["path"]), old)
+        ]
+        for key in sorted(moving):
+            await held.enter_async_context(self.cache.journal.locked(key))
+        records = {}
+        for key in moving:
+            record = self.cache.unconfirmed.get(key)
+            if record is None:
+                continue  # adopted or let go while the locks were taken
+            path = str(record["path"])
+            record = {**record, "path": new + path[len(old) :], "renamed_from": path}
+            self.cache.unconfirmed.add(key, record)
+            records[key] = record
         return records
 
     def _write_records(self, records: dict[tuple[str, str], dict[str, Any]]) -> None:

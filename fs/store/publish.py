@@ -7,6 +7,7 @@ newer version. Published says what became of an attempt."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
 import time
@@ -29,6 +30,8 @@ from ckptfs.fs.store.manifest import (
     write_all,
     write_manifest,
 )
+
+log = logging.getLogger("ckptfs.publish")
 
 
 class Published(Enum):
@@ -378,6 +381,19 @@ def takeover_manifest(
             pass
 
 
+def _put_back(dfd: int, aside: str, name: str, times: DirTimes) -> bool:
+    """Link the manifest moved to ``aside`` back at ``name``; whether the
+    name now holds something (it, or a newer one published meanwhile)."""
+    try:
+        with times.change():
+            os.link(aside, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+    except FileExistsError:
+        pass  # something newer was published meanwhile: it stays
+    except OSError:
+        return False  # left at ``aside``; the caller's error says why
+    return True
+
+
 def _link_over(
     call: Call[Published],
     dfd: int,
@@ -410,6 +426,10 @@ def _link_over(
                 os.rename(name, aside, src_dir_fd=dfd, dst_dir_fd=dfd)
         except FileNotFoundError:
             return Published.NAME_GONE
+        # Whether the name holds what is to stay there (ours, what was there,
+        # or something newer): until it does, the only copy of the manifest
+        # that was there is at ``aside``.
+        placed = False
         try:
             try:
                 current = read_manifest(aside, dir_fd=dfd, key=key)
@@ -426,34 +446,42 @@ def _link_over(
                 # Not exactly the pending version taken over (its writer,
                 # who only seemed dead, made it durable or replaced it):
                 # what is there stays.
-                try:
-                    with times.change():
-                        os.link(
-                            aside, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False
-                        )  # put it back
-                except FileExistsError:
-                    pass  # something newer was published meanwhile: it stays
+                placed = _put_back(dfd, aside, name, times)
                 fsync_dir(dfd)
+                if not placed:
+                    raise OSError(errno.EIO, f"{name}: cannot put its manifest back")
                 if current is None or current.file_id != file_id:
                     return Published.NAME_GONE
                 return Published.STALE
+            if call.abandoned():
+                placed = _put_back(dfd, aside, name, times)
+                fsync_dir(dfd)
+                return Published.STALE
             try:
                 with times.change():
-                    if call.abandoned():
-                        os.link(aside, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
-                        return Published.STALE
                     os.link(new, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+                placed = True
             except FileExistsError:
+                placed = True
                 return Published.STALE  # newer than what we took over: it stays
             finally:
                 fsync_dir(dfd)
             return Published.DONE
         finally:
-            try:
-                with times.change():
-                    os.unlink(aside, dir_fd=dfd)
-            except FileNotFoundError:
-                pass
+            # An error between the move aside and the link (EIO reading the
+            # manifest back, a store failing) must not take the manifest with
+            # the aside name: put it back first (fault trials, restart_store_eio).
+            if not placed:
+                placed = _put_back(dfd, aside, name, times)
+            if placed:
+                try:
+                    with times.change():
+                        os.unlink(aside, dir_fd=dfd)
+                except FileNotFoundError:
+                    pass
+            else:
+                log.error("the manifest of %s is left at %s: it could not be put back", name,
+                          aside)  # fmt: skip
     finally:
         try:
             with times.change():

@@ -21,11 +21,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import trio
+from ckptfs.fs.store.backing import Backing
+from ckptfs.fs.store.blocking import BackingIO
 from ckptfs.fs.store.chunkstore import ChunkStore, chunk_hash
 from ckptfs.fs.store.manifest import Chunk, Manifest, new_id, read_manifest
+from ckptfs.fs.store.publish import Published
 from countingfs import CountingMount, counting_mount
 from data import rand
 from manifests import write_store_manifest
+from mirrors import durable, pending
 from mounts import Mount
 from tensors import assert_same, state_dict
 from waits import wait_for
@@ -245,7 +250,8 @@ def test_a_crashed_daemons_file_is_kept_while_the_store_hangs_and_flushed_once_i
     """The store hangs on reads when a crashed daemon's successor mounts:
     its recovery gives up on the manifest after the backing timeout, off
     the loop, and the mount comes up; the file is kept (neither adopted nor
-    thrown away), and once the store answers it is flushed, whole."""
+    thrown away), and once the store answers a flush --wait makes it
+    durable, whole."""
     m = mounts()
     data = crash_with_a_pending_file(m, 7)
     m.allowed_log = ["did not answer within", "health", "unconfirmed", "backing store is down"]
@@ -257,8 +263,9 @@ def test_a_crashed_daemons_file_is_kept_while_the_store_hangs_and_flushed_once_i
     assert s["cache"]["unconfirmed"] == 1 and s["cache"]["used"] >= 8 * MiB
     assert "1 file kept from before a crash" in m.cli("stat", str(m.mnt)).stdout
     failing_store.inject("ok")
-    wait_for(lambda: m.stat()["cache"]["unconfirmed"] == 0, 90, "the file adopted")
+    # flush --wait has the store asked again at once, then waits for the flush.
     m.wait_durable()
+    assert m.stat()["cache"]["unconfirmed"] == 0
     assert read_manifest(m.backing / "x.bin").state == "durable"
     assert "recovered x.bin (8388608 bytes) once the store answered" in m.log()
     m.umount()
@@ -266,10 +273,10 @@ def test_a_crashed_daemons_file_is_kept_while_the_store_hangs_and_flushed_once_i
     assert same(m.mnt / "x.bin", data)
 
 
-def test_a_crashed_daemons_file_the_store_failed_to_read_is_adopted_at_its_lookup(
+def test_a_crashed_daemons_file_the_store_failed_to_read_is_adopted_at_its_open(
     failing_store, mounts
 ):
-    """EIO on the manifest at mount keeps the file; the first lookup that
+    """EIO on the manifest at mount keeps the file; the first open that
     reads the manifest, once the store answers, adopts it there and then:
     the reader gets the bytes from the cache, not a "lost" error."""
     m = mounts()
@@ -281,10 +288,36 @@ def test_a_crashed_daemons_file_the_store_failed_to_read_is_adopted_at_its_looku
     failing_store.inject("ok")
     assert same(m.mnt / "x.bin", data)
     assert m.stat()["cache"]["unconfirmed"] == 0
+    assert "recovered x.bin (8388608 bytes) from the cache at its open" in m.log()
     m.wait_durable()
     m.umount()
     m.mount()
     assert same(m.mnt / "x.bin", data)
+
+
+def test_a_kept_file_renamed_once_the_store_answers_is_flushed_at_its_new_name(
+    failing_store, mounts
+):
+    """The job renames a kept file (a torch.save's temporary name put in
+    place) after the store answers and before the daemon looks again: no
+    record of another node's rename leads there, so the kept record must
+    follow the rename, or its next look finds nothing and lets it go."""
+    m = mounts()
+    data = crash_with_a_pending_file(m, 13)
+    m.allowed_log = ["unconfirmed", "health", "Input/output error"]
+    failing_store.inject("eio-files")
+    m.mount()
+    # Two looks failed: the next is 8 s away.
+    wait_for(lambda: m.log().count("x.bin still unconfirmed") >= 2, 30, "two failed looks")
+    failing_store.inject("ok")
+    os.rename(m.mnt / "x.bin", m.mnt / "y.bin")
+    assert m.stat()["cache"]["unconfirmed"] == 1  # not adopted by the rename
+    m.wait_durable()
+    assert read_manifest(m.backing / "y.bin").state == "durable"
+    assert not (m.backing / "x.bin").exists()
+    m.umount()
+    m.mount()
+    assert same(m.mnt / "y.bin", data)
 
 
 def test_a_kept_file_replaced_while_the_store_failed_is_let_go(failing_store, mounts):
@@ -518,3 +551,35 @@ def test_a_read_right_after_a_rewrite_elsewhere_is_of_one_whole_version(mounts, 
         if time.monotonic() - cached < 0.8:  # within the kernel's attribute timeout
             assert got == new, f"attempt {attempt}: {len(got)} bytes read, {len(new)} written"
             assert os.stat(b.mnt / "f.bin").st_size == len(new)
+
+
+def test_a_takeover_that_cannot_read_back_the_manifest_it_moved_aside_puts_it_back(
+    failing_store,
+):
+    """The fenced publish of a takeover moves the name's manifest aside to
+    check it: an EIO reading it back must leave it at its name (it was
+    deleted with the aside name, and with it a closed file whose writer and
+    buddy then both dropped their copies: fault trials, restart_store_eio)."""
+    root = failing_store.mountpoint
+    (root / "d").mkdir()
+    write_store_manifest(root / "d" / "a.pt", pending("f1", "v1", ["n1", "n2"]), backing=root)
+
+    async def main() -> None:
+        b = Backing(root, BackingIO(5))
+        try:
+            failing_store.inject("eio-files")
+            with pytest.raises(OSError):
+                await b.takeover_manifest("d/a.pt", durable("f1", "v1"), file_id="f1",
+                                          expect_version="v1")  # fmt: skip
+            failing_store.inject("ok")
+            m = read_manifest(root / "d" / "a.pt")
+            assert (m.file_id, m.version, m.state) == ("f1", "v1", "pending")
+            assert os.listdir(root / "d") == ["a.pt"]  # nothing left aside
+            r = await b.takeover_manifest("d/a.pt", durable("f1", "v1"), file_id="f1",
+                                          expect_version="v1")  # fmt: skip
+            assert r is Published.DONE
+            assert read_manifest(root / "d" / "a.pt").state == "durable"
+        finally:
+            b.close()
+
+    trio.run(main)

@@ -51,6 +51,9 @@ KINDS: dict[str, int] = {
     "store_full": 2,  # the store refuses space (ENOSPC)
     "store_eio": 2,  # the store's file contents fail (EIO)
     "takeover_restart": 2,  # a daemon restarted while its buddy takes its files over
+    # kill -9 (cache kept), restarted while the store fails opens of the
+    # users' files (manifests): its recovery cannot read them
+    "restart_store_eio": 2,
 }
 SETTLE_TIMEOUT = 60.0  # every node alive again, every flush --wait done
 STORE_STALL_MAX = 6.0
@@ -214,6 +217,18 @@ class Injector:
 
     def _store_eio(self) -> None:
         self._store("eio")
+
+    def _restart_store_eio(self) -> None:
+        node = self.plan.node
+        assert self.cluster.store is not None
+        self.cluster.kill(node, lose_ram=False)
+        self.log.add(f"killed {node}")
+        try:
+            self.cluster.store.inject("eio-files")
+            self._restart([node])
+            time.sleep(self.plan.hold)
+        finally:
+            self.cluster.store.inject("ok")
 
     def _takeover_restart(self) -> None:
         """kill -9 of the node; once its buddy says it takes the node's files

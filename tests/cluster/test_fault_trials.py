@@ -40,6 +40,7 @@ CI_KINDS = [
     "store_full",
     "store_eio",
     "takeover_restart",
+    "restart_store_eio",
 ]
 CI_BUDGET_S = 300.0
 

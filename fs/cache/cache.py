@@ -393,22 +393,29 @@ class Cache(Lifecycle, Mirroring, Memory, Reading, Writing):
         self.on_pending(f)
         return f
 
-    async def discard_unconfirmed(self, key: Key, why: str) -> None:
+    async def discard_unconfirmed(self, key: Key, why: str, *, held: bool = False) -> None:
         """The unconfirmed record ``key`` is stale: its slots go back (those
-        no other kept record lists)."""
+        no other kept record lists). ``held``: the caller holds its journal
+        lock. If the journal cannot drop it, it stays kept."""
         record, free = self.unconfirmed.pop(key)
+        try:
+            await self._release_record(key, free, held=held)
+        except BaseException:
+            self.unconfirmed.add(key, record)
+            raise
         log.info("%s (%d bytes), kept from before a crash, is let go: %s",
                  record.get("path"), record.get("size", 0), why)  # fmt: skip
-        await self._release_record(key, free)
 
     async def release_let_go(self) -> None:
         """Drop the records let go at an adoption, then free their own slots."""
         while self.unconfirmed.letting_go:
-            key, _, free = self.unconfirmed.letting_go.pop(0)
+            key, _, free = self.unconfirmed.letting_go[0]
             await self._release_record(key, free)
+            self.unconfirmed.letting_go.pop(0)
 
-    async def _release_record(self, key: Key, free: set[int]) -> None:
-        await self.journal.drop(key)  # first: the record may not outlive its bytes
+    async def _release_record(self, key: Key, free: set[int], *, held: bool = False) -> None:
+        # The record first: it may not outlive its bytes.
+        await (self.journal.drop_held(key) if held else self.journal.drop(key))
         for slot in free:
             self.arena.release(slot)
         self._signal_space()

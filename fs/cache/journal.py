@@ -183,6 +183,10 @@ class Journal:
             await self._run_sync(self._remove, key)
         self._release_lock(key, lock)
 
+    async def drop_held(self, key: Key) -> None:
+        """``drop`` for a caller that holds ``locked(key)``."""
+        await self._run_sync(self._remove, key)
+
     def drop_later(self, key: Key) -> None:
         """Remove a record soon; for records recovery would reject anyway."""
         self._later_send.send_nowait(key)

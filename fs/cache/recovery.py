@@ -31,6 +31,7 @@ from typing import Any
 from ckptfs.fs.cache.cache import Cache
 from ckptfs.fs.cache.journal import Key
 from ckptfs.fs.cache.unconfirmed import slots_of
+from ckptfs.fs.content.state import FileRole
 from ckptfs.fs.store.backing import Backing
 from ckptfs.fs.store.blocking import BackingTimeout
 from ckptfs.fs.store.manifest import Manifest
@@ -108,6 +109,18 @@ async def locate(backing: Backing, record: dict[str, Any]) -> tuple[Manifest | N
             manifest = await _pending_at(backing, moved, key)
             if manifest is not None:
                 return manifest, moved
+    for start in tried if manifest is None else []:
+        # Left aside by a takeover that failed or died (publish._link_over).
+        try:
+            restored = await backing.restore_aside(start, key[0])
+        except OSError as exc:
+            if _store_failing(exc):
+                raise Undecided(f"cannot look for the manifest of {start}: {exc}") from None
+            restored = False
+        if restored:
+            manifest = await _pending_at(backing, start, key)
+            if manifest is not None:
+                return manifest, start
     return manifest, path
 
 
@@ -180,30 +193,43 @@ async def confirm_later(cache: Cache, backing: Backing) -> None:
     while cache.unconfirmed.busy():
         await cache.unconfirmed.pause(pause)
         pause = min(pause * 2, CONFIRM_PAUSES[1])
-        await cache.release_let_go()
         kept = cache.unconfirmed.items()
         random.shuffle(kept)  # one that hangs does not hold the others back each time
-        for key, record in kept:
-            try:
+        try:
+            await cache.release_let_go()
+            for key, record in kept:
                 await _confirm_one(cache, backing, key, record)
-            except Exception:  # the others, and the mount, go on; it is asked again
-                log.exception("checking %s, kept from before a crash, failed", record.get("path"))
+        except Exception:  # the mount goes on; what is left is asked about again
+            log.exception("checking the files kept from before a crash failed")
 
 
 async def _confirm_one(cache: Cache, backing: Backing, key: Key, record: dict[str, Any]) -> None:
-    try:
-        manifest, path = await locate(backing, record)
-    except Undecided as why:
-        log.warning("%s still unconfirmed: %s", record.get("path"), why)
-        return
-    # Decided after an await: an open may have adopted it meanwhile, or a
-    # rename here replaced the record (it names the new path).
-    if cache.unconfirmed.get(key) is not record:
-        return
-    if manifest is not None and _own(manifest, cache.node):
-        f = cache.confirm(key, manifest, path)
-        log.info("recovered %s (%d bytes) once the store answered; flushing it", f.path, f.size)
-    elif manifest is not None:
-        await cache.discard_unconfirmed(key, f"written by {manifest.holders[0]}, not this node")
-    else:
-        await cache.discard_unconfirmed(key, "the store no longer names that version pending")
+    # Under the record's journal lock, which a rename here holds from before
+    # its store call until the kept record names where it went: a look that
+    # read the old path as the rename landed would let a live file go.
+    async with cache.journal.locked(key):
+        if cache.unconfirmed.get(key) is not record:
+            return  # adopted at an open, or renamed here, meanwhile
+        try:
+            manifest, path = await locate(backing, record)
+        except Undecided as why:
+            log.warning("%s still unconfirmed: %s", record.get("path"), why)
+            return
+        # Decided after an await: an open may have adopted it meanwhile.
+        if cache.unconfirmed.get(key) is not record:
+            return
+        current = cache.files.get(key[0])
+        if manifest is not None and current is not None and current.role is not FileRole.REMOTE:
+            # Opened and changed here since (at a name another node's rename
+            # gave it): what is written here now is newer.
+            await cache.discard_unconfirmed(key, "a newer version of it is written here", held=True)
+        elif manifest is not None and _own(manifest, cache.node):
+            f = cache.confirm(key, manifest, path)
+            log.info("recovered %s (%d bytes) once the store answered; flushing it",
+                     f.path, f.size)  # fmt: skip
+        elif manifest is not None:
+            why = f"written by {manifest.holders[0]}, not this node"
+            await cache.discard_unconfirmed(key, why, held=True)
+        else:
+            why = "the store no longer names that version pending"
+            await cache.discard_unconfirmed(key, why, held=True)

@@ -195,8 +195,6 @@ class Core:
         pending: list[CachedFile] = []
         failed: list[str] = []
         with trio.move_on_after(timeout if timeout is not None else float("inf")):
-            # Adopted (then flushed below) or found stale once the store answers.
-            await self.cache.unconfirmed.settled(lambda path: in_subtree(path, prefix))
             for f in self.fs.files_under(prefix):
                 if f.role is not FileRole.LOCAL:
                     continue
@@ -207,6 +205,13 @@ class Core:
                         failed.append(f"{f.path} ({exc.strerror or exc})")
                         continue
                 if f.owes_flush:
+                    self.flusher.enqueue(f)
+                    pending.append(f)
+            # Files kept from before a crash: adopted (and flushed with the
+            # rest) or found stale once the store answers for them.
+            await self.cache.unconfirmed.settled(lambda path: in_subtree(path, prefix))
+            for f in self.fs.files_under(prefix):
+                if f.role is FileRole.LOCAL and f.owes_flush and f not in pending:
                     self.flusher.enqueue(f)
                     pending.append(f)
             while True:

@@ -63,6 +63,8 @@ class RenameMixin:
             old_path = self.inodes.child_path(p_old, old)
             new_path = self.inodes.child_path(p_new, new)
             records = await self._records_renamed(old_path, new_path, held)
+            kept = await self._unconfirmed_renamed(old_path, new_path, held)
+            records.update({key: moved_to for key, (_, moved_to) in kept.items()})
             parents = (self._dir_ino(p_old), self._dir_ino(p_new))
             try:
                 source, target, moved = await self.backing.rename_reading(
@@ -122,6 +124,11 @@ class RenameMixin:
                 self._checked(inode, moved)
             # Again after the awaits: a truncate meanwhile forked a version.
             stale += [f for f in self._known_elsewhere(source, old_path) if f not in stale]
+            # Renamed in the store: the kept records name where it went (their
+            # journal records, written just before, name both paths).
+            for key, (was, moved_to) in kept.items():
+                if self.cache.unconfirmed.get(key) is was:
+                    self.cache.unconfirmed.add(key, moved_to)
             repathed = self._repath(old_path, new_path)
             for f in stale:
                 if not f.unlinked:
@@ -198,33 +205,31 @@ class RenameMixin:
             record = record_of(self.cache.journal_snapshot(f))
             record["path"], record["renamed_from"] = new + f.path[len(old) :], f.path
             records[key] = record
-        records.update(await self._unconfirmed_renamed(old, new, held))
         return records
 
     async def _unconfirmed_renamed(
         self, old: str, new: str, held: contextlib.AsyncExitStack
-    ) -> dict[tuple[str, str], dict[str, Any]]:
+    ) -> dict[tuple[str, str], tuple[dict[str, Any], dict[str, Any]]]:
         """The same for the crashed daemon's versions recovery keeps
         unconfirmed (fs/cache/unconfirmed.py): no renamelog record follows a
         rename of this node's own file, so without this their next look
-        would find nothing at the old path and let them go. The kept record
-        is replaced before the rename (a look under way then does not act),
-        by one that names both paths, as the journal's will."""
+        would find nothing at the old path and let them go. Each kept record
+        and the one that replaces it once the rename is done, naming both
+        paths as its journal record will; with their locks taken in
+        ``held``, which a look (recovery.confirm_later) takes too."""
         moving = [
             key for key, r in self.cache.unconfirmed.items() if at_or_under(str(r["path"]), old)
         ]
         for key in sorted(moving):
             await held.enter_async_context(self.cache.journal.locked(key))
-        records = {}
+        kept = {}
         for key in moving:
             record = self.cache.unconfirmed.get(key)
             if record is None:
                 continue  # adopted or let go while the locks were taken
             path = str(record["path"])
-            record = {**record, "path": new + path[len(old) :], "renamed_from": path}
-            self.cache.unconfirmed.add(key, record)
-            records[key] = record
-        return records
+            kept[key] = (record, {**record, "path": new + path[len(old) :], "renamed_from": path})
+        return kept
 
     def _write_records(self, records: dict[tuple[str, str], dict[str, Any]]) -> None:
         """In a backing-store call's thread: the journal records, as publish's

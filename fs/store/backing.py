@@ -199,6 +199,14 @@ class Backing:
             with_call=True,
         )
 
+    async def restore_aside(self, rel: str, file_id: str) -> bool:
+        """Put back at ``rel`` a manifest of ``file_id`` that a takeover which
+        failed or died left aside (publish.restore_aside); whether it did."""
+        return await self.io.run(
+            publish.restore_aside, self.root_fd, self._fence_dir(), rel, file_id,
+            what=f"look for the manifest of {rel} aside",
+        )  # fmt: skip
+
     def _new_owner(self, pfd: int, owner: tuple[int, int]) -> tuple[tuple[int, int] | None, bool]:
         """For a name made in the directory ``pfd`` for ``owner`` (the
         caller's uid, gid): the owner to give it (None: it has it already),

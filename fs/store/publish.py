@@ -114,7 +114,14 @@ def replace_manifest(
                     errno.EBUSY, f"{rel}: a takeover of this file holds its name; try again"
                 ) from None
     except FileNotFoundError:
-        return Published.NAME_GONE
+        # No takeover holds the name: one that failed (or died) may have
+        # left the manifest aside.
+        if not _restore_aside(root, rel, file_id):
+            return Published.NAME_GONE
+        try:
+            current, st = _manifest_and_stat(root, rel, key)
+        except FileNotFoundError:
+            return Published.NAME_GONE
     if current is None and (plain is None or not plain.matches(st)):
         return Published.NAME_GONE  # a plain file was put at the path (another one)
     if current is not None and current.file_id != file_id:
@@ -381,6 +388,60 @@ def takeover_manifest(
             pass
 
 
+def _aside_name(name: str, file_id: str) -> str:
+    """Where a takeover moves the manifest at ``name`` to check it: named
+    by the file id (which the fence makes one takeover's at a time), so
+    that a manifest left there by a takeover that failed or died is found
+    again (_restore_aside); a temporary name to listings."""
+    return f".{name[:128]}.ckptfs-tmp.aside-{_fence(file_id)}"
+
+
+def _exists(dfd: int, name: str) -> bool:
+    """Whether a regular file is at ``name`` (what a user put there, a
+    directory or a symlink, is no manifest moved aside)."""
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(st.st_mode)
+
+
+def _restore_aside(root: int, rel: str, file_id: str) -> bool:
+    """Put back at ``rel`` the manifest a takeover of ``file_id`` left
+    aside, if there is one and nothing is at ``rel`` (else the aside name
+    goes: the name holds something newer). For a caller that holds the
+    file's fence, or found none. Whether one was put back."""
+    parent, name = os.path.split(rel)
+    try:
+        dfd = open_dir(root, parent)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    try:
+        aside = _aside_name(name, file_id)
+        if not _exists(dfd, aside):
+            return False
+        try:
+            os.link(aside, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+            log.warning("the manifest of %s, left aside by a takeover, is put back", rel)
+        except FileExistsError:
+            pass
+        fsync_dir(dfd)
+        os.unlink(aside, dir_fd=dfd)
+        return True
+    finally:
+        os.close(dfd)
+
+
+def restore_aside(root: int, fence_fd: int, rel: str, file_id: str) -> bool:
+    """``_restore_aside`` unless a takeover of ``file_id`` is under way (its
+    fence is there and not stale): its manifest aside is not left over."""
+    try:
+        age = time.time() - os.stat(_fence(file_id), dir_fd=fence_fd).st_mtime
+    except FileNotFoundError:
+        age = FENCE_STALE
+    return age >= FENCE_STALE and _restore_aside(root, rel, file_id)
+
+
 def _put_back(dfd: int, aside: str, name: str, times: DirTimes) -> bool:
     """Link the manifest moved to ``aside`` back at ``name``; whether the
     name now holds something (it, or a newer one published meanwhile)."""
@@ -407,11 +468,16 @@ def _link_over(
     """The fenced publish itself, in the directory ``dfd`` (see
     takeover_manifest), each change of the directory's names counted in
     ``times``."""
-    aside = tmp_name(name)
+    aside = _aside_name(name, file_id)
     new = tmp_name(name)
     try:
         # The new manifest is written first, so the name is missing only for
-        # a rename, a read and a link.
+        # a rename, a read and a link. One an earlier try could not put back
+        # (we hold the fence: no takeover has it aside now) goes back first.
+        if _exists(dfd, aside):
+            if not _put_back(dfd, aside, name, times):
+                raise OSError(errno.EIO, f"{name}: cannot put back its manifest, left aside")
+            os.unlink(aside, dir_fd=dfd)
         try:
             st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         except FileNotFoundError:
@@ -424,8 +490,15 @@ def _link_over(
         try:
             with times.change():
                 os.rename(name, aside, src_dir_fd=dfd, dst_dir_fd=dfd)
-        except FileNotFoundError:
-            return Published.NAME_GONE
+        except OSError as exc:
+            # An NFS rename retransmitted after it was done answers ENOENT,
+            # or an error after it was done: whether it was is at ``aside``.
+            if _exists(dfd, aside):
+                pass
+            elif isinstance(exc, FileNotFoundError):
+                return Published.NAME_GONE
+            else:
+                raise
         # Whether the name holds what is to stay there (ours, what was there,
         # or something newer): until it does, the only copy of the manifest
         # that was there is at ``aside``.
@@ -479,9 +552,11 @@ def _link_over(
                         os.unlink(aside, dir_fd=dfd)
                 except FileNotFoundError:
                     pass
+                except OSError as exc:  # a name left over; the next try removes it
+                    log.warning("%s not removed: %s", aside, exc)
             else:
-                log.error("the manifest of %s is left at %s: it could not be put back", name,
-                          aside)  # fmt: skip
+                log.error("the manifest of %s is left at %s: it could not be put back; the "
+                          "next publish of it puts it back", name, aside)  # fmt: skip
     finally:
         try:
             with times.change():

@@ -1369,3 +1369,52 @@ def test_a_takeover_never_publishes_over_the_version_made_durable(tmp_path: Path
         assert read_manifest(tmp_path / "d" / "a.pt") == made
 
     trio.run(main)
+
+
+def test_a_manifest_a_takeover_left_aside_is_put_back_before_anyone_calls_the_name_gone(
+    tmp_path: Path,
+):
+    """A takeover that died (or could not put the manifest back) between
+    moving the name's manifest aside and linking one in leaves the name
+    empty: the next takeover, the writer's own publish and recovery each
+    put it back first, unless a live takeover holds the file's fence."""
+    (tmp_path / "d").mkdir()
+    aside = tmp_path / "d" / ".a.pt.ckptfs-tmp.aside-f1"
+
+    def left_aside() -> None:
+        write_store_manifest(tmp_path / "d" / "a.pt", pending("f1", "v1", ["n1", "n2"]),
+                             backing=tmp_path)  # fmt: skip
+        os.rename(tmp_path / "d" / "a.pt", aside)
+
+    async def main() -> None:
+        b = Backing(tmp_path, BackingIO(5))
+        try:
+            left_aside()
+            r = await b.takeover_manifest("d/a.pt", durable("f1", "v1"), file_id="f1",
+                                          expect_version="v1")  # fmt: skip
+            assert r is Published.DONE
+            assert read_manifest(tmp_path / "d" / "a.pt").state == "durable"
+            assert os.listdir(tmp_path / "d") == ["a.pt"]
+            # A live takeover's fence: its manifest aside is not left over.
+            os.unlink(tmp_path / "d" / "a.pt")
+            left_aside()
+            fence = tmp_path / ".ckptfs" / "fence" / "f1"
+            fence.write_bytes(b"")
+            assert not await b.restore_aside("d/a.pt", "f1")
+            assert aside.exists() and not (tmp_path / "d" / "a.pt").exists()
+            fence.unlink()
+            assert await b.restore_aside("d/a.pt", "f1")
+            m = read_manifest(tmp_path / "d" / "a.pt")
+            assert (m.version, m.state) == ("v1", "pending")
+            assert os.listdir(tmp_path / "d") == ["a.pt"]
+            # The writer, alive after all, publishes its version durable.
+            os.rename(tmp_path / "d" / "a.pt", aside)
+            r = await b.replace_manifest("d/a.pt", durable("f1", "v1"), (0, 0), file_id="f1",
+                                         expect_version="v1")  # fmt: skip
+            assert r is Published.DONE
+            assert read_manifest(tmp_path / "d" / "a.pt").state == "durable"
+            assert os.listdir(tmp_path / "d") == ["a.pt"]
+        finally:
+            b.close()
+
+    trio.run(main)

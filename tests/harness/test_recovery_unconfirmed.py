@@ -45,6 +45,9 @@ class Store:
             raise FileNotFoundError(errno.ENOENT, rel)
         return found
 
+    async def restore_aside(self, rel: str, file_id: str) -> bool:
+        return False
+
     async def renamed_to(self, rel: str, file_id: str) -> str | None:
         return None
 

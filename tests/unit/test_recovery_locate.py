@@ -34,6 +34,9 @@ class Store:
             raise found
         return found
 
+    async def restore_aside(self, rel: str, file_id: str) -> bool:
+        return False
+
     async def renamed_to(self, rel: str, file_id: str) -> str | None:
         moved = self.moves.get(rel)
         if isinstance(moved, BaseException):

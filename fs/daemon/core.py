@@ -129,19 +129,19 @@ class Core:
     ) -> Published:
         """The flusher's durable manifest: fenced for a taken-over file; at
         the path another node's rename moved it to, if its name is gone."""
-        result = await self._publish_at_path(f, make, version)
+        result, tried = await self._publish_at_path(f, make, version)
         for _ in range(FOLLOWS):
-            if result is not Published.NAME_GONE or not await self.fs.follow_rename(f):
+            if result is not Published.NAME_GONE or not await self.fs.follow_rename(f, tried):
                 break
-            result = await self._publish_at_path(f, make, version)
+            result, tried = await self._publish_at_path(f, make, version)
         return result
 
     async def _publish_at_path(
         self, f: CachedFile, make: Callable[[], Manifest | None], version: str
-    ) -> Published:
+    ) -> tuple[Published, str]:
         if f.role is FileRole.TAKEOVER:
             return await self.fs.publish_takeover(f, make, version)
-        return await self.fs.publish(f, make, expect_version=version)
+        return await self.fs.publish_at(f, make, expect_version=version)
 
     async def serve_peer_read(
         self,

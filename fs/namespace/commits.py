@@ -99,7 +99,7 @@ class CommitMixin:
                         snap, self._manifest(f, snap.version, snap.size, seq=snap.seq)
                     )
                 path = f.path
-                result = await self.publish(
+                result, tried = await self.publish_at(
                     f,
                     lambda: self._manifest(f, snap.version, snap.size, snap.holders, snap.seq),
                     before=save_record,
@@ -107,9 +107,9 @@ class CommitMixin:
                 for _ in range(FOLLOWS):
                     # Its directory (or the file) was renamed on another node
                     # while it was written here: its writes go where it is.
-                    if result is not Published.NAME_GONE or not await self.follow_rename(f):
+                    if result is not Published.NAME_GONE or not await self.follow_rename(f, tried):
                         break
-                    result = await self.publish(
+                    result, tried = await self.publish_at(
                         f,
                         lambda: self._manifest(f, snap.version, snap.size, snap.holders, snap.seq),
                         before=save_record,
@@ -216,12 +216,25 @@ class CommitMixin:
         manifest file is owned by the file's owner; ``before`` runs in the
         same backing-store call, first.
         """
+        result, _ = await self.publish_at(f, make, expect_version=expect_version, before=before)
+        return result
+
+    async def publish_at(
+        self,
+        f: CachedFile,
+        make: Callable[[], Manifest | None],
+        *,
+        expect_version: str | None = None,
+        before: Callable[[], None] | None = None,
+    ) -> tuple[Published, str]:
+        """``publish``, and the path it tried: a NAME_GONE is about that path,
+        which an open here may have moved ``f`` from meanwhile (follow_rename)."""
         async with self.ns_lock.shared(lambda: f.path) as path:
             if f.unlinked:
-                return Published.NAME_GONE
+                return Published.NAME_GONE, path
             manifest = make()
             if manifest is None:
-                return Published.STALE
+                return Published.STALE, path
             result = await self.backing.replace_manifest(
                 path,
                 manifest,
@@ -234,14 +247,21 @@ class CommitMixin:
             if result is Published.DONE:
                 self.cache.replacing_plain(f, None)
                 self.backing.io.wrote()  # room in the store again, if it was full
-            return result
+            return result, path
 
-    async def follow_rename(self, f: CachedFile) -> bool:
-        """``f``'s name is gone from the backing store: True if its publish
-        is to be tried again, because a rename recorded by another node
-        moved it (renamelog.py) and ``f`` takes the path it is at now, or
-        because ``f`` moved here meanwhile (an open found it, a rename here)."""
-        old = f.path
+    async def follow_rename(self, f: CachedFile, tried: str) -> bool:
+        """``f``'s name ``tried`` is gone from the backing store: True if its
+        publish is to be tried again, because a rename recorded by another
+        node moved it (renamelog.py) and ``f`` takes the path it is at now,
+        or because ``f`` moved here meanwhile (an open found it at its new
+        name, a rename here). From ``tried``, not ``f.path``: an open during
+        the publish that failed moves ``f``, and the renames from there lead
+        nowhere (fault trials, seed 46, trial 21)."""
+        if f.unlinked:
+            return False
+        if f.path != tried:
+            return True
+        old = tried
         new = await self.backing.renamed_to(old, f.file_id)
         if f.unlinked:
             return False
@@ -263,13 +283,15 @@ class CommitMixin:
 
     async def publish_takeover(
         self, f: CachedFile, make: Callable[[], Manifest | None], expect_version: str
-    ) -> Published:
+    ) -> tuple[Published, str]:
         """Publish a buddy's file this node took over: only over exactly the
-        version it mirrored (fenced; see Backing.takeover_manifest)."""
+        version it mirrored (fenced; see Backing.takeover_manifest). The
+        result, and the path it tried (as publish_at)."""
         async with self.ns_lock.shared(lambda: f.path) as path:
             manifest = make()
             if manifest is None or f.unlinked:
-                return Published.STALE
-            return await self.backing.takeover_manifest(
+                return Published.STALE, path
+            result = await self.backing.takeover_manifest(
                 path, manifest, file_id=f.file_id, expect_version=expect_version
             )
+            return result, path

@@ -62,9 +62,10 @@ class Inode:
     # parent), and a round trip per create halves small-file throughput.
     dir_attrs: Entry | None = None
     dir_attrs_at: float = 0.0
-    # When a name in it last changed here (a create, mkdir, unlink, rename):
-    # attributes read before that are not reused, whoever stores them later.
-    names_changed_at: float = 0.0
+    # When a name in it, or its own attributes, last changed here (a create,
+    # mkdir, unlink, rename; a chmod, chown, utime): attributes read before
+    # that are not reused, whoever stores them later.
+    changed_at: float = 0.0
     # What the last lookup, stat or open found at this name (a manifest's
     # entry), and when: an open or a stat soon after may answer from it.
     checked: Entry | None = None

@@ -229,7 +229,7 @@ class LookupMixin:
         began before it may be stored after it, by the request thread)."""
         return (
             inode.dir_attrs is not None
-            and inode.dir_attrs_at > inode.names_changed_at
+            and inode.dir_attrs_at > inode.changed_at
             and time.monotonic() - inode.dir_attrs_at < DIR_ATTR_REUSE
         )
 
@@ -282,7 +282,7 @@ class LookupMixin:
         no look at its attributes that began before now is reused."""
         inode = self.inodes.get(parent)
         if inode is not None:
-            inode.names_changed_at = time.monotonic()
+            inode.changed_at = time.monotonic()
 
     def _inode(self, ino: int) -> Inode:
         inode = self.inodes.get(ino)

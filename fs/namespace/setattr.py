@@ -8,6 +8,7 @@ directory's, symlink's or plain file's is made in the backing store.
 from __future__ import annotations
 
 import errno
+import time
 
 from ckptfs.fs.cache.writing import MAX_FILE_SIZE
 from ckptfs.fs.content.cachedfile import CachedFile
@@ -41,15 +42,22 @@ class SetAttrMixin:
             return await self._setattr_file(inode, change, caller)
         path = self.inodes.path(ino)
         inode.dir_attrs_at = 0.0  # what follows changes them
-        await self.backing.set_attributes(
-            path,
-            self._object_ino(inode),
-            mode=None if change.mode is None or inode.kind == "symlink" else change.mode & 0o7777,
-            uid=-1 if change.uid is None else change.uid,
-            gid=-1 if change.gid is None else change.gid,
-            atime_ns=change.atime_ns,
-            mtime_ns=change.mtime_ns,
-        )
+        mode = None if change.mode is None or inode.kind == "symlink" else change.mode & 0o7777
+        try:
+            await self.backing.set_attributes(
+                path,
+                self._object_ino(inode),
+                mode=mode,
+                uid=-1 if change.uid is None else change.uid,
+                gid=-1 if change.gid is None else change.gid,
+                atime_ns=change.atime_ns,
+                mtime_ns=change.mtime_ns,
+            )
+        finally:
+            # A stat that began before the change ends (the daemon's own READY
+            # stat of the mount root, racing an operator's chmod of it) may
+            # store what it read afterwards: that is not reused.
+            inode.changed_at = time.monotonic()
         return await self.getattr(ino)
 
     async def _setattr_file(self, inode: Inode, change: SetAttr, caller: Caller) -> Attr:

@@ -180,3 +180,54 @@ def test_an_inode_keeps_its_last_check_without_the_chunk_list(h: Harness) -> Non
     assert checked is not None and checked.manifest is not None
     assert (checked.manifest.chunks, checked.manifest.holders) == ([], [])
     assert checked.manifest.version == read_manifest(h.backing / "model.pt").version
+
+
+def test_a_stat_of_a_directory_that_began_before_its_chmod_is_not_reused_after_it(
+    h: Harness,
+) -> None:
+    """A stat of a directory reads the store, and before it stores what it
+    read, the directory is chmod'ed here (the daemon's own READY stat of
+    the mount root racing an operator's chmod of it): the next stat shows
+    the new mode, not the old one the slow stat kept."""
+    import trio
+
+    fs = h.core.fs
+    ino = h.call(fs.mkdir, ROOT, "d", 0o755, CALLER).ino
+    backing = fs.backing
+    real = backing.entry
+    read_old = trio.Event()
+    chmodded = trio.Event()
+
+    async def slow_entry(path: str, *args):  # type: ignore[no-untyped-def]
+        found = await real(path, *args)
+        if path == "d" and not read_old.is_set():
+            read_old.set()
+            await chmodded.wait()  # what it read is older than the chmod
+        return found
+
+    real_set = backing.set_attributes
+    stored = trio.Event()
+
+    async def set_attributes(*args, **kwargs):  # type: ignore[no-untyped-def]
+        done = await real_set(*args, **kwargs)
+        chmodded.set()
+        await stored.wait()  # the slow stat keeps what it read, before the chmod returns
+        return done
+
+    backing.entry = slow_entry  # type: ignore[method-assign]
+    backing.set_attributes = set_attributes  # type: ignore[method-assign]
+
+    async def slow_stat() -> None:
+        await fs.getattr(ino)
+        stored.set()
+
+    async def race() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(slow_stat)
+            await read_old.wait()
+            await fs.setattr(ino, SetAttr(mode=0o1777), CALLER)
+
+    h.call(race)
+    backing.entry = real  # type: ignore[method-assign]
+    backing.set_attributes = real_set  # type: ignore[method-assign]
+    assert h.call(fs.getattr, ino).mode & 0o7777 == 0o1777

@@ -27,9 +27,11 @@ import random
 import time
 
 import pytest
+from ckptfs.fs.content.state import FileState
 from ckptfs.fs.namespace.inodes import ROOT
 from ckptfs.fs.namespace.posix import Caller, SetAttr
 from ckptfs.fs.store.manifest import Manifest, new_id, read_manifest, write_manifest
+from ckptfs.fs.store.renamelog import write_record
 from lifecycle_harness import (
     CALLER,
     SIZE,
@@ -200,3 +202,40 @@ def test_a_flush_superseded_while_its_file_is_still_written_keeps_it_for_the_las
     m = read_manifest(h.backing / "model.pt", key=key)
     assert m is not None and m.version != newer.version and m.size == 2 * SIZE
     assert name_reads(h, "model.pt") == first + rest
+
+
+def test_an_open_at_the_new_name_during_a_flush_at_the_old_one_does_not_drop_the_file(tmp_path):
+    """Another node renames the directory of a file pending here while its
+    flush publishes at the old name, and a reader here opens it at the new
+    name meanwhile (the open moves the file to it): the publish's "name
+    gone" is about the old name, so the flush tries again where the file is
+    now, instead of following renames from the new name to nowhere and
+    dropping it (fault trials, seed 46, trial 21)."""
+    h = Harness(tmp_path)
+    h.config.open_recheck = 0.0  # every open reads the manifest, as with peers
+    h.start()
+    try:
+        fs = h.core.fs
+        d = h.call(fs.mkdir, ROOT, "iter.tmp", 0o755, CALLER).ino
+        data = random.randbytes(SIZE)
+        fh, _ = h.call(fs.create, d, "shard.pt", 0o644, os.O_WRONLY, CALLER)
+        h.call(fs.write, fh, 0, data)
+        h.call(fs.flush, fh)
+        h.call(fs.release, fh)
+        [f] = h.core.cache.files.values()
+        # The flusher waits at its durable publish, at the old name.
+        h.direct(h.background_until, "write manifest iter.tmp/shard.pt")
+        assert any(w.startswith("write manifest iter.tmp/") for w in h.gate.labels)
+        write_record(h.core.backing.dirs, "iter.tmp", "iter", "other")  # as rename.py does
+        os.rename(h.backing / "iter.tmp", h.backing / "iter")
+        nd = h.call(fs.lookup, ROOT, "iter").ino
+        ino = h.call(fs.lookup, nd, "shard.pt").ino
+        rfh, _ = h.call(fs.open, ino, os.O_RDONLY, CALLER)
+        h.call(fs.release, rfh)
+        assert f.path == "iter/shard.pt"
+        h.direct(h.background_steps, 100)
+        m = read_manifest(h.backing / "iter" / "shard.pt")
+        assert m.state == "durable" and f.state is FileState.DURABLE
+        assert h.reassemble(m) == data
+    finally:
+        h.close()

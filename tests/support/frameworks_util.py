@@ -20,6 +20,7 @@ format (docs/FORMAT.md), so these tests do not depend on the internals.
 from __future__ import annotations
 
 import argparse
+import codecs
 import errno
 import json
 import os
@@ -60,6 +61,13 @@ ORDINARY = (65534, 65534)
 AS_USER_ENV = "CKPTFS_TEST_AS"  # uid:gid a worker runs its job as
 
 
+# Codecs pickles name (protocol 2 bytes are latin-1 strings; a pickle from
+# Python 2 may name others): torch.load as the user would look them up,
+# and importing one as the user fails when the interpreter lives under
+# /root ("LookupError: unknown encoding: latin1").
+UNPICKLE_CODECS = ("latin1", "ascii", "utf-8")
+
+
 @contextmanager
 def acting_as(user: tuple[int, int] | None) -> Iterator[None]:
     """The body's file accesses as ``user`` (None: as root), in this process.
@@ -73,6 +81,8 @@ def acting_as(user: tuple[int, int] | None) -> Iterator[None]:
     if user is None:
         yield
         return
+    for codec in UNPICKLE_CODECS:
+        codecs.lookup(codec)  # imported on first use: an unpickler's, as the user
     groups = os.getgroups()
     os.setgroups([])
     os.setegid(user[1])

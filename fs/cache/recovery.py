@@ -114,7 +114,7 @@ async def locate(backing: Backing, record: dict[str, Any]) -> tuple[Manifest | N
         try:
             restored = await backing.restore_aside(start, key[0])
         except OSError as exc:
-            if _store_failing(exc):
+            if _store_failing(exc) or exc.errno == errno.EBUSY:  # EBUSY: a takeover holds it
                 raise Undecided(f"cannot look for the manifest of {start}: {exc}") from None
             restored = False
         if restored:

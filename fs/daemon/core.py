@@ -113,6 +113,9 @@ class Core:
 
     async def start(self, nursery: trio.Nursery, *, prefault: bool = True) -> None:
         """Adopt what a crashed daemon left, then start the background tasks."""
+        for path in await self.backing.restore_own_fences(self.cache.node):
+            log.warning("%s: its manifest, moved aside by this node's takeover before it "
+                        "died, is back", path)  # fmt: skip
         self.recovered = await recover(self.cache, self.backing)
         nursery.start_soon(confirm_later, self.cache, self.backing)
         await nursery.start(self.flusher.run)

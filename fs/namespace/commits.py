@@ -292,6 +292,10 @@ class CommitMixin:
             if manifest is None or f.unlinked:
                 return Published.STALE, path
             result = await self.backing.takeover_manifest(
-                path, manifest, file_id=f.file_id, expect_version=expect_version
+                path,
+                manifest,
+                file_id=f.file_id,
+                expect_version=expect_version,
+                holder=self.cache.node,
             )
             return result, path

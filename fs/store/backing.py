@@ -181,9 +181,10 @@ class Backing:
         )
 
     async def takeover_manifest(
-        self, rel: str, manifest: Manifest, *, file_id: str, expect_version: str
+        self, rel: str, manifest: Manifest, *, file_id: str, expect_version: str, holder: str = ""
     ) -> Published:
-        """Publish a taken-over file's manifest, fenced (see publish.takeover_manifest)."""
+        """Publish a taken-over file's manifest, fenced (see publish.takeover_manifest)
+        by node ``holder``."""
         return await self.io.run(
             lambda call: publish.takeover_manifest(
                 call,
@@ -194,10 +195,19 @@ class Backing:
                 file_id,
                 expect_version,
                 self.key,
+                holder,
             ),
             what=f"take over manifest {rel}",
             with_call=True,
         )
+
+    async def restore_own_fences(self, node: str) -> list[str]:
+        """Put back what this node's takeovers had moved aside when it died
+        (publish.restore_own_fences); the paths put back."""
+        return await self.io.run(
+            publish.restore_own_fences, self.root_fd, self._fence_dir(), node,
+            what="put back what this node's takeovers left aside",
+        )  # fmt: skip
 
     async def restore_aside(self, rel: str, file_id: str) -> bool:
         """Put back at ``rel`` a manifest of ``file_id`` that a takeover which

@@ -7,6 +7,7 @@ newer version. Published says what became of an attempt."""
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import stat
@@ -14,7 +15,7 @@ import time
 from collections.abc import Callable
 from enum import Enum
 
-from ckptfs.fs.store.beneath import in_parent, open_dir, parent_dir
+from ckptfs.fs.store.beneath import check_rel, in_parent, open_dir, parent_dir
 from ckptfs.fs.store.blocking import Call
 from ckptfs.fs.store.entries import Entry, PlainFile, read_entry_in
 from ckptfs.fs.store.manifest import (
@@ -322,12 +323,19 @@ def _wait_for_fence(fence_fd: int, file_id: str) -> bool:
     return True
 
 
-def _take_fence(fence_fd: int, file_id: str) -> bool:
+def _take_fence(fence_fd: int, file_id: str, holder: str = "", rel: str = "") -> bool:
+    """The fence of ``file_id``, naming the node that holds it and the path
+    it publishes at: a node restarted after it died holding one puts back
+    what it had moved aside (restore_own_fences)."""
     name = _fence(file_id)
     flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
     for _ in range(2):
         try:
-            os.close(os.open(name, flags, 0o600, dir_fd=fence_fd))
+            fd = os.open(name, flags, 0o600, dir_fd=fence_fd)
+            try:
+                write_all(fd, json.dumps({"node": holder, "path": rel}).encode())
+            finally:
+                os.close(fd)
             return True
         except FileExistsError:
             try:
@@ -349,6 +357,7 @@ def takeover_manifest(
     file_id: str,
     expect_version: str,
     key: bytes | None = None,
+    holder: str = "",
 ) -> Published:
     """Publish ``manifest`` at ``rel`` only over exactly ``expect_version``.
 
@@ -360,7 +369,7 @@ def takeover_manifest(
     takeover never puts its version over a newer one. A publish that finds
     the name missing in that instant waits for the fence (replace_manifest).
     """
-    if not _take_fence(fence_fd, file_id):
+    if not _take_fence(fence_fd, file_id, holder, rel):
         # Not STALE: the flusher would take that as "rewritten elsewhere" and
         # drop the only copy. An error makes it try again later.
         raise OSError(errno.EBUSY, f"{rel}: another takeover of this file is under way")
@@ -432,14 +441,54 @@ def _restore_aside(root: int, rel: str, file_id: str) -> bool:
         os.close(dfd)
 
 
+def restore_own_fences(root: int, fence_fd: int, node: str) -> list[str]:
+    """At a daemon's start: the fences its node held when it died (a
+    takeover has no journal: none of them is under way), each removed once
+    what its takeover moved aside is back at its name. The paths put back."""
+    restored = []
+    for name in os.listdir(fence_fd):
+        if not is_file_id(name):
+            continue
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fence_fd)
+            try:
+                held = json.loads(os.read(fd, 8192) or b"{}")
+            finally:
+                os.close(fd)
+            if not isinstance(held, dict) or held.get("node") != node or not node:
+                continue
+            rel = check_rel(str(held.get("path", "")))
+        except (OSError, ValueError):
+            continue  # not ours, or not a fence this code wrote: it goes stale
+        if _restore_aside(root, rel, name):
+            restored.append(rel)
+        try:
+            os.unlink(name, dir_fd=fence_fd)
+        except FileNotFoundError:
+            pass
+    return restored
+
+
 def restore_aside(root: int, fence_fd: int, rel: str, file_id: str) -> bool:
     """``_restore_aside`` unless a takeover of ``file_id`` is under way (its
-    fence is there and not stale): its manifest aside is not left over."""
+    fence is there and not stale): its manifest aside is not left over;
+    EBUSY then if it has one aside."""
     try:
         age = time.time() - os.stat(_fence(file_id), dir_fd=fence_fd).st_mtime
     except FileNotFoundError:
         age = FENCE_STALE
-    return age >= FENCE_STALE and _restore_aside(root, rel, file_id)
+    if age >= FENCE_STALE:
+        return _restore_aside(root, rel, file_id)
+    try:
+        with parent_dir(root, rel) as (dfd, name):
+            held = _exists(dfd, _aside_name(name, file_id))
+    except (FileNotFoundError, NotADirectoryError):
+        held = False
+    if held:
+        # Its takeover is under way, or died and its node has not come back:
+        # the manifest is neither here nor gone.
+        raise OSError(errno.EBUSY, f"{rel}: a takeover holds its manifest aside")
+    return False
 
 
 def _put_back(dfd: int, aside: str, name: str, times: DirTimes) -> bool:

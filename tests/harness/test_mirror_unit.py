@@ -11,6 +11,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 import trio.testing
 from caches import make_cache
@@ -1399,10 +1400,17 @@ def test_a_manifest_a_takeover_left_aside_is_put_back_before_anyone_calls_the_na
             os.unlink(tmp_path / "d" / "a.pt")
             left_aside()
             fence = tmp_path / ".ckptfs" / "fence" / "f1"
-            fence.write_bytes(b"")
-            assert not await b.restore_aside("d/a.pt", "f1")
+            fence.write_text(json.dumps({"node": "n2", "path": "d/a.pt"}))
+            with pytest.raises(OSError) as held:  # neither here nor gone
+                await b.restore_aside("d/a.pt", "f1")
+            assert held.value.errno == errno.EBUSY
             assert aside.exists() and not (tmp_path / "d" / "a.pt").exists()
-            fence.unlink()
+            # The node that held the fence comes back: its takeover is over.
+            assert await b.restore_own_fences("n3") == []
+            assert fence.exists()
+            assert await b.restore_own_fences("n2") == ["d/a.pt"]
+            assert not fence.exists() and not aside.exists()
+            os.rename(tmp_path / "d" / "a.pt", aside)
             assert await b.restore_aside("d/a.pt", "f1")
             m = read_manifest(tmp_path / "d" / "a.pt")
             assert (m.version, m.state) == ("v1", "pending")

@@ -25,8 +25,10 @@ class Store:
     ``at`` (path -> a manifest, or an exception to raise) and ``moves``
     (path -> where renames led, or an exception)."""
 
-    def __init__(self, at: dict[str, Any], moves: dict[str, Any] | None = None) -> None:
-        self.at, self.moves = at, moves or {}
+    def __init__(
+        self, at: dict[str, Any], moves: dict[str, Any] | None = None, aside: Any = False
+    ) -> None:
+        self.at, self.moves, self.aside = at, moves or {}, aside
 
     async def manifest(self, rel: str) -> Manifest | None:
         found = self.at.get(rel, FileNotFoundError(errno.ENOENT, rel))
@@ -35,7 +37,13 @@ class Store:
         return found
 
     async def restore_aside(self, rel: str, file_id: str) -> bool:
-        return False
+        """``aside``: True (put back: the manifest is at ``rel`` now), False
+        (none), or what the store raised (EBUSY: a takeover holds it)."""
+        if isinstance(self.aside, BaseException):
+            raise self.aside
+        if self.aside:
+            self.at[rel] = pending()
+        return bool(self.aside)
 
     async def renamed_to(self, rel: str, file_id: str) -> str | None:
         moved = self.moves.get(rel)
@@ -89,3 +97,13 @@ def test_a_store_that_does_not_answer_leaves_it_undecided(failure: OSError):
     # Renames led somewhere the store cannot read.
     with pytest.raises(Undecided, match="b/y.pt"):
         run_locate(Store({"b/y.pt": failure}, {"a/x.pt": "b/y.pt"}))
+
+
+def test_a_manifest_a_takeover_moved_aside_is_put_back_or_left_undecided():
+    """The name is empty: a takeover that died holding it left the manifest
+    aside (put back, and found), or one under way holds it (undecided: not
+    gone)."""
+    m, path = run_locate(Store({}, aside=True))
+    assert (m.file_id, m.version, path) == (FILE_ID, VERSION, "a/x.pt")
+    with pytest.raises(Undecided, match="takeover"):
+        run_locate(Store({}, aside=OSError(errno.EBUSY, "a/x.pt: a takeover holds it aside")))

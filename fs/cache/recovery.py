@@ -69,12 +69,9 @@ async def _pending_at(backing: Backing, path: str, key: Key) -> Manifest | None:
         manifest = await backing.manifest(path)
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        if _store_failing(exc):
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, OSError) and _store_failing(exc):
             raise Undecided(f"cannot read the manifest of {path}: {exc}") from None
-        log.error("cannot read the manifest of %s to recover it: %s", path, exc)
-        return None
-    except ValueError as exc:
         log.error("cannot read the manifest of %s to recover it: %s", path, exc)
         return None
     if manifest is None or (manifest.file_id, manifest.version) != key:
@@ -96,7 +93,9 @@ async def locate(backing: Backing, record: dict[str, Any]) -> tuple[Manifest | N
         tried.append(record["renamed_from"])
         path = record["renamed_from"]
         manifest = await _pending_at(backing, path, key)
-    for start in tried if manifest is None else []:
+    if manifest is not None:
+        return manifest, path
+    for start in tried:
         # Renamed by another node (meanwhile, or while this one was down).
         try:
             moved = await backing.renamed_to(start, key[0])
@@ -109,7 +108,7 @@ async def locate(backing: Backing, record: dict[str, Any]) -> tuple[Manifest | N
             manifest = await _pending_at(backing, moved, key)
             if manifest is not None:
                 return manifest, moved
-    for start in tried if manifest is None else []:
+    for start in tried:
         # Left aside by a takeover that failed or died (publish._link_over).
         try:
             restored = await backing.restore_aside(start, key[0])
@@ -121,7 +120,7 @@ async def locate(backing: Backing, record: dict[str, Any]) -> tuple[Manifest | N
             manifest = await _pending_at(backing, start, key)
             if manifest is not None:
                 return manifest, start
-    return manifest, path
+    return None, path
 
 
 def _own(manifest: Manifest, node: str) -> bool:

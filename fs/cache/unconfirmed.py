@@ -92,9 +92,13 @@ class Unconfirmed:
             await self._ask.wait()
         self._ask = trio.Event()
 
-    async def settled(self, wanted: Callable[[str], bool]) -> None:
-        """Until no record's path is ``wanted``; asks for a look at once."""
+    async def settled(self, wanted: Callable[[str], bool]) -> bool:
+        """Until no record's path is ``wanted``; asks for a look at once.
+        Whether there was one to wait for."""
+        waited = False
         while any(wanted(path) for path, _ in self.paths()):
+            waited = True
             changed = self._changed
             self.ask_now()
             await changed.wait()
+        return waited

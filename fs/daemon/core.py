@@ -144,7 +144,7 @@ class Core:
     ) -> tuple[Published, str]:
         if f.role is FileRole.TAKEOVER:
             return await self.fs.publish_takeover(f, make, version)
-        return await self.fs.publish_at(f, make, expect_version=version)
+        return await self.fs.publish(f, make, expect_version=version)
 
     async def serve_peer_read(
         self,
@@ -212,11 +212,11 @@ class Core:
                     pending.append(f)
             # Files kept from before a crash: adopted (and flushed with the
             # rest) or found stale once the store answers for them.
-            await self.cache.unconfirmed.settled(lambda path: in_subtree(path, prefix))
-            for f in self.fs.files_under(prefix):
-                if f.role is FileRole.LOCAL and f.owes_flush and f not in pending:
-                    self.flusher.enqueue(f)
-                    pending.append(f)
+            if await self.cache.unconfirmed.settled(lambda path: in_subtree(path, prefix)):
+                for f in self.fs.files_under(prefix):
+                    if f.role is FileRole.LOCAL and f.owes_flush and f not in pending:
+                        self.flusher.enqueue(f)
+                        pending.append(f)
             while True:
                 # A buddy's death during the wait starts a takeover whose
                 # files only this cache holds: wait for those too.

@@ -99,7 +99,7 @@ class CommitMixin:
                         snap, self._manifest(f, snap.version, snap.size, seq=snap.seq)
                     )
                 path = f.path
-                result, tried = await self.publish_at(
+                result, tried = await self.publish(
                     f,
                     lambda: self._manifest(f, snap.version, snap.size, snap.holders, snap.seq),
                     before=save_record,
@@ -109,7 +109,7 @@ class CommitMixin:
                     # while it was written here: its writes go where it is.
                     if result is not Published.NAME_GONE or not await self.follow_rename(f, tried):
                         break
-                    result, tried = await self.publish_at(
+                    result, tried = await self.publish(
                         f,
                         lambda: self._manifest(f, snap.version, snap.size, snap.holders, snap.seq),
                         before=save_record,
@@ -204,8 +204,11 @@ class CommitMixin:
         *,
         expect_version: str | None = None,
         before: Callable[[], None] | None = None,
-    ) -> Published:
-        """Write ``make()`` at the file's current path if that path is still ours.
+    ) -> tuple[Published, str]:
+        """Write ``make()`` at the file's current path if that path is still
+        ours; the result, and the path it tried (a NAME_GONE is about that
+        path, which an open here may have moved ``f`` from meanwhile:
+        follow_rename).
 
         The manifest is built under the namespace lock, so it reflects the
         file's state at the moment it is written (a metadata update can never
@@ -214,21 +217,7 @@ class CommitMixin:
         ``expect_version``, the manifest in the backing store must still be
         that version (another node may have published a newer one). The
         manifest file is owned by the file's owner; ``before`` runs in the
-        same backing-store call, first.
-        """
-        result, _ = await self.publish_at(f, make, expect_version=expect_version, before=before)
-        return result
-
-    async def publish_at(
-        self,
-        f: CachedFile,
-        make: Callable[[], Manifest | None],
-        *,
-        expect_version: str | None = None,
-        before: Callable[[], None] | None = None,
-    ) -> tuple[Published, str]:
-        """``publish``, and the path it tried: a NAME_GONE is about that path,
-        which an open here may have moved ``f`` from meanwhile (follow_rename)."""
+        same backing-store call, first."""
         async with self.ns_lock.shared(lambda: f.path) as path:
             if f.unlinked:
                 return Published.NAME_GONE, path
@@ -286,7 +275,7 @@ class CommitMixin:
     ) -> tuple[Published, str]:
         """Publish a buddy's file this node took over: only over exactly the
         version it mirrored (fenced; see Backing.takeover_manifest). The
-        result, and the path it tried (as publish_at)."""
+        result, and the path it tried (as publish)."""
         async with self.ns_lock.shared(lambda: f.path) as path:
             manifest = make()
             if manifest is None or f.unlinked:

@@ -6,6 +6,7 @@ newer version. Published says what became of an attempt."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -416,29 +417,36 @@ def _exists(dfd: int, name: str) -> bool:
 
 
 def _restore_aside(root: int, rel: str, file_id: str) -> bool:
-    """Put back at ``rel`` the manifest a takeover of ``file_id`` left
-    aside, if there is one and nothing is at ``rel`` (else the aside name
-    goes: the name holds something newer). For a caller that holds the
-    file's fence, or found none. Whether one was put back."""
+    """``_put_aside_back`` in ``rel``'s directory; False if there is none."""
     parent, name = os.path.split(rel)
     try:
         dfd = open_dir(root, parent)
     except (FileNotFoundError, NotADirectoryError):
         return False
     try:
-        aside = _aside_name(name, file_id)
-        if not _exists(dfd, aside):
-            return False
+        return _put_aside_back(dfd, name, file_id)
+    finally:
+        os.close(dfd)
+
+
+def _put_aside_back(dfd: int, name: str, file_id: str, times: DirTimes | None = None) -> bool:
+    """Put back at ``name`` the manifest a takeover of ``file_id`` left
+    aside, if there is one and nothing is at ``name`` (else the aside name
+    goes: the name holds something newer). For a caller that holds the
+    file's fence, or found none. Whether there was one; an error putting it
+    back raises, and it stays aside."""
+    aside = _aside_name(name, file_id)
+    if not _exists(dfd, aside):
+        return False
+    with times.change() if times is not None else contextlib.nullcontext():
         try:
             os.link(aside, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
-            log.warning("the manifest of %s, left aside by a takeover, is put back", rel)
+            log.warning("the manifest of %s, left aside by a takeover, is put back", name)
         except FileExistsError:
             pass
         fsync_dir(dfd)
         os.unlink(aside, dir_fd=dfd)
-        return True
-    finally:
-        os.close(dfd)
+    return True
 
 
 def restore_own_fences(root: int, fence_fd: int, node: str) -> list[str]:
@@ -523,10 +531,7 @@ def _link_over(
         # The new manifest is written first, so the name is missing only for
         # a rename, a read and a link. One an earlier try could not put back
         # (we hold the fence: no takeover has it aside now) goes back first.
-        if _exists(dfd, aside):
-            if not _put_back(dfd, aside, name, times):
-                raise OSError(errno.EIO, f"{name}: cannot put back its manifest, left aside")
-            os.unlink(aside, dir_fd=dfd)
+        _put_aside_back(dfd, name, file_id, times)
         try:
             st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         except FileNotFoundError:

@@ -1426,3 +1426,35 @@ def test_a_manifest_a_takeover_left_aside_is_put_back_before_anyone_calls_the_na
             b.close()
 
     trio.run(main)
+
+
+def test_what_a_user_or_a_forged_fence_puts_aside_is_never_put_back_or_followed(
+    tmp_path: Path,
+):
+    """A symlink or directory a user puts at a file's aside name is no
+    manifest moved aside: not linked to the name; a fence naming a path out
+    of the backing directory is left alone."""
+    (tmp_path / "d").mkdir()
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"not the store's")
+    aside = tmp_path / "d" / ".a.pt.ckptfs-tmp.aside-f1"
+
+    async def main() -> None:
+        b = Backing(tmp_path, BackingIO(5))
+        try:
+            os.symlink(outside / "secret", aside)
+            assert not await b.restore_aside("d/a.pt", "f1")
+            assert not (tmp_path / "d" / "a.pt").exists() and aside.is_symlink()
+            aside.unlink()
+            aside.mkdir()
+            assert not await b.restore_aside("d/a.pt", "f1")
+            assert not (tmp_path / "d" / "a.pt").exists()
+            fence = tmp_path / ".ckptfs" / "fence" / "f2"
+            fence.write_text(json.dumps({"node": "n2", "path": "../" + outside.name + "/secret"}))
+            assert await b.restore_own_fences("n2") == []
+            assert sorted(os.listdir(outside)) == ["secret"]
+        finally:
+            b.close()
+
+    trio.run(main)
